@@ -1,0 +1,122 @@
+"""Kernel benchmarks on a GPU: decode_attention (Triton vs SDPA) and chunk_attention (Flex vs SDPA reference).
+
+    python benchmarks/kernels.py --out results.json
+
+Decode: one token per sequence, B=1, bf16, against a static buffer of --capacity tokens (the decode setting:
+the cache is sized for the whole context). GB/s counts the K+V bytes of the valid prefix only, so a method
+that reads the whole buffer shows as low bandwidth. Times are do_bench medians in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels.chunk_attention.flex import chunk_attention_flex  # noqa: E402
+from kernels.chunk_attention.reference import chunk_attention as chunk_reference  # noqa: E402
+from kernels.decode_attention.triton import decode_attention_triton, num_splits_for  # noqa: E402
+
+# name: (Hq, Hkv, D)
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
+DECODE_LENGTHS = [4096, 32768, 131072, 262144]
+CHUNK_OFFSETS = [0, 32768, 122880]
+
+
+def bench_decode(shape: str, length: int, capacity: int) -> dict:
+    Hq, Hkv, D = SHAPES[shape]
+    opts = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, Hq, D, **opts)
+    k = torch.randn(1, Hkv, capacity, D, **opts)
+    v = torch.randn(1, Hkv, capacity, D, **opts)
+    length_t = torch.tensor([length], device="cuda")
+    scale = D**-0.5
+    full_mask = (torch.arange(capacity, device="cuda") < length)[None, None, None, :]
+    q4 = q[:, :, None]  # [B, Hq, 1, D] for SDPA
+    fns = {
+        "triton": lambda: decode_attention_triton(q, k, v, length_t, scale=scale),
+        "sdpa_valid_slice": lambda: F.scaled_dot_product_attention(
+            q4, k[:, :, :length], v[:, :, :length], scale=scale, enable_gqa=True),
+        "sdpa_full_buffer": lambda: F.scaled_dot_product_attention(
+            q4, k, v, attn_mask=full_mask, scale=scale, enable_gqa=True),
+    }
+    ms = {name: do_bench(fn, warmup=25, rep=200, return_mode="median") for name, fn in fns.items()}
+    # The decode loop replays a CUDA graph: this is the kernel without Python launch overhead.
+    with torch.cuda.stream(torch.cuda.Stream()):
+        ms["triton_graph"] = do_bench_cudagraph(fns["triton"], rep=200, return_mode="median")
+    gbytes = 2 * Hkv * length * D * 2 / 1e9
+    return {"op": "decode_attention", "shape": shape, "Hq": Hq, "Hkv": Hkv, "D": D, "length": length,
+            "capacity": capacity, "num_splits": num_splits_for(1, Hkv, capacity, q.device),
+            "ms": ms, "gb_per_s": {name: gbytes / (t / 1e3) for name, t in ms.items()}}
+
+
+def bench_chunk(shape: str, offset: int, T: int, capacity: int) -> dict:
+    Hq, Hkv, D = SHAPES[shape]
+    opts = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, Hq, T, D, **opts)
+    k = torch.randn(1, Hkv, capacity, D, **opts)
+    v = torch.randn(1, Hkv, capacity, D, **opts)
+    scale = D**-0.5
+    fns = {
+        "flex": lambda: chunk_attention_flex(q, k, v, offset, scale=scale),
+        "reference_sdpa": lambda: chunk_reference(q, k, v, offset, scale=scale),
+    }
+    ms = {name: do_bench(fn, warmup=5, rep=100, return_mode="median") for name, fn in fns.items()}
+    # Causal FLOPs: 2 matmuls of 2*D per visible (query, key) pair.
+    pairs = T * offset + T * (T + 1) / 2
+    tflops = 4 * Hq * D * pairs / 1e12
+    return {"op": "chunk_attention", "shape": shape, "Hq": Hq, "Hkv": Hkv, "D": D, "T": T, "offset": offset,
+            "capacity": capacity, "ms": ms, "tflop_per_s": {n: tflops / (t / 1e3) for n, t in ms.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--capacity", type=int, default=max(DECODE_LENGTHS), help="decode buffer size S")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA device")
+
+    rows = []
+    print(f"{'shape':<13} {'length':>7} " + " ".join(f"{m:>24}" for m in
+          ("triton ms (GB/s)", "triton_graph ms (GB/s)", "sdpa_valid_slice", "sdpa_full_buffer")), flush=True)
+    for shape in SHAPES:
+        for length in DECODE_LENGTHS:
+            r = bench_decode(shape, length, max(args.capacity, length))
+            rows.append(r)
+            cells = (f"{r['ms'][m]:8.3f} ({r['gb_per_s'][m]:6.0f})" for m in
+                     ("triton", "triton_graph", "sdpa_valid_slice", "sdpa_full_buffer"))
+            print(f"{shape:<13} {length:>7} " + " ".join(f"{c:>24}" for c in cells), flush=True)
+            torch.cuda.empty_cache()
+
+    T = 4096
+    print(f"\n{'shape':<13} {'offset':>7} {'T':>5} {'flex ms (TFLOP/s)':>22} {'reference ms (TFLOP/s)':>24}")
+    for offset in CHUNK_OFFSETS:
+        r = bench_chunk("llama-3.1-8b", offset, T, capacity=131072)
+        rows.append(r)
+        print(f"{r['shape']:<13} {offset:>7} {T:>5} "
+              f"{r['ms']['flex']:10.3f} ({r['tflop_per_s']['flex']:6.1f}) "
+              f"{r['ms']['reference_sdpa']:12.3f} ({r['tflop_per_s']['reference_sdpa']:6.1f})", flush=True)
+
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "rows": rows,
+    }
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

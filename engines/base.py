@@ -1,0 +1,168 @@
+"""The engine contract and the data path every engine shares.
+
+An engine plugs into a stock transformers model through two public extension points: an attention function
+registered with `AttentionInterface` (selected with `set_attn_implementation`) and a Cache whose layers hold
+the engine's per-layer state. The template methods here do the rest:
+
+    prefill(ids)  -> DocumentState     chunked: `chunk_size` tokens per forward, logits of the last token only
+    answer(state, question_ids, ...)   question through the same chunk path, then one DecodeStep per token
+
+A subclass sets `name`, `Config`, and overrides `attention` (and `make_cache` when it keeps other state).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from engines.cache import StaticKVCache
+from engines.decoding import DecodeStep, Sampler
+
+
+@dataclass
+class DocumentState:
+    """What prefill leaves behind: the KV cache, where the next token goes and the last logits [1, V]."""
+
+    cache: StaticKVCache
+    n_tokens: int
+    position: int
+    last_logits: torch.Tensor
+    prefill_s: float
+    decode: DecodeStep | None = None
+    counters: dict = field(default_factory=dict)
+
+
+def _sdpa_fallback(module, query, key, value, attention_mask, **kwargs):
+    # Outside longctx's own forward calls (e.g. `model.generate` in a test) behave like stock SDPA.
+    kwargs.pop("longctx", None)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+class Engine(ABC):
+    name: ClassVar[str]
+    Config: ClassVar[type]
+
+    def __init__(self, lm, config, run):
+        self.lm, self.config, self.run = lm, config, run
+        self.model = lm.model
+        self.text_config = self.model.config.get_text_config(decoder=True)
+        if getattr(self.text_config, "attn_logit_softcapping", None):
+            raise NotImplementedError(f"{self.name}: attention logit soft-capping is not supported")
+        self._impl = f"longctx_{self.name.replace('-', '_')}"
+        AttentionInterface.register(self._impl, type(self).attention)
+        self.activate()
+        self.device = self.model.get_input_embeddings().weight.device
+        self.single_device = len({p.device for p in self.model.parameters()}) == 1
+
+    @staticmethod
+    def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
+                  **kwargs):
+        """query: [B, Hq, T, D]; key/value: the cache's whole buffers [B, Hkv, S, D] -> ([B, T, Hq, D], None)."""
+        raise NotImplementedError
+
+    def activate(self) -> None:
+        """Route the model's attention to this engine (several engines may share one loaded model)."""
+        if self.model.config._attn_implementation != self._impl:
+            self.model.set_attn_implementation(self._impl)
+
+    @classmethod
+    def kv_bytes(cls, model_config, n_tokens: int, dtype_bytes: int) -> int:
+        """Bytes of KV cache for a document of n_tokens (prompt + answer), over all devices."""
+        text = model_config.get_text_config(decoder=True)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * n_tokens * dtype_bytes
+
+    @classmethod
+    def kv_read_bytes(cls, model_config, n_tokens: int, dtype_bytes: int) -> int:
+        """Bytes of KV one decode step reads at context n_tokens (sliding-window layers read their window)."""
+        text = model_config.get_text_config(decoder=True)
+        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        window = getattr(text, "sliding_window", None) or n_tokens
+        per_token_layer = cls.kv_bytes(model_config, 1, dtype_bytes) // text.num_hidden_layers
+        return sum(per_token_layer * (min(window, n_tokens) if t == "sliding_attention" else n_tokens)
+                   for t in types)
+
+    def make_cache(self, capacity: int) -> StaticKVCache:
+        return StaticKVCache(self.model.config, capacity)
+
+    def backends(self) -> dict[str, str]:
+        """Which kernels run prefill and decode attention, for the report."""
+        return {}
+
+    def _forward(self, cache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """ids, positions: [1, T] -> logits of the last position [1, 1, V]."""
+        out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                         logits_to_keep=1, longctx=cache)
+        return out.logits
+
+    @torch.inference_mode()
+    def _extend(self, cache, ids: torch.Tensor, start: int,
+                progress: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Encode ids [N] at positions start.. in chunks of `chunk_size`; returns the last logits [1, V]."""
+        chunk = self.run.chunk_size
+        logits = None
+        for lo in range(0, ids.numel(), chunk):
+            piece = ids[lo:lo + chunk].to(self.device, torch.long).view(1, -1)
+            positions = torch.arange(start + lo, start + lo + piece.shape[1], device=self.device).view(1, -1)
+            cache.begin_chunk(start + lo, piece.shape[1])
+            logits = self._forward(cache, piece, positions)
+            if progress is not None:
+                progress(piece.shape[1])
+        return logits[:, -1].float()
+
+    def prefill(self, ids: torch.Tensor, *, reserve: int,
+                progress: Callable[[int], None] | None = None) -> DocumentState:
+        """ids: [N] token ids of the document; reserve: room for the question and the answer."""
+        self.activate()
+        start = time.perf_counter()
+        cache = self.make_cache(ids.numel() + reserve)
+        logits = self._extend(cache, ids, 0, progress)
+        _sync(self.device)
+        return DocumentState(cache, ids.numel(), ids.numel(), logits, time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def answer(self, state: DocumentState, question_ids: torch.Tensor, max_new_tokens: int,
+               sampler: Sampler) -> Iterator[int]:
+        """Yields generated token ids; the caller stops early by closing the generator."""
+        self.activate()
+        logits = self._extend(state.cache, question_ids, state.position) if question_ids.numel() else state.last_logits
+        state.position += question_ids.numel()
+        if sampler.temperature > 0:
+            torch.manual_seed(sampler.seed)
+        if state.position + max_new_tokens > state.cache.capacity:
+            raise ValueError(f"KV cache of {state.cache.capacity} tokens has no room for {max_new_tokens} new tokens")
+        token = int(sampler(logits).item())
+        step = self._decode_step(state, sampler) if max_new_tokens > 1 else None
+        for produced in range(max_new_tokens):
+            yield token
+            if produced + 1 == max_new_tokens:
+                break
+            if produced == 0:
+                step.start(token, state.position)
+            step.step()
+            state.position += 1
+            token = int(step.token.item())
+
+    def _decode_step(self, state: DocumentState, sampler: Sampler) -> DecodeStep:
+        if state.decode is None or state.decode.sampler != sampler:
+            use_graph = self.run.decode_graph and self.single_device
+            state.decode = DecodeStep(lambda ids, pos: self._forward(state.cache, ids, pos), state.cache, sampler,
+                                      self.device, use_graph)
+        return state.decode
+
+    def counters(self, state: DocumentState) -> dict:
+        graph = state.decode is not None and state.decode.graph is not None
+        return {"kv_cache_bytes": state.cache.nbytes(), "kv_capacity_tokens": state.cache.capacity,
+                "decode_cuda_graph": graph, **self.backends(), **state.counters}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,110 @@
+"""A preallocated (static) KV cache that plugs into transformers through its public Cache API.
+
+Every layer owns `[B, Hkv, capacity, D]` key and value buffers, allocated on the layer's own device the first
+time it writes (so accelerate's device_map across GPUs needs nothing special). Where a token goes is decided
+by the cache, not by transformers:
+- prefill: the engine calls `begin_chunk(offset)`; the chunk's K/V land at `[offset, offset + T)` (host ints);
+- decode: the engine calls `begin_decode(pos, length)` with device tensors; K/V land at `pos` via
+  `index_copy_`, so a decode step has static shapes and never reads a position on the host (CUDA-graph safe).
+The attention function receives the cache as the `longctx` keyword and reads `offset` / `length` from it.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class StaticKVLayer(CacheLayerMixin):
+    is_compileable = True
+
+    def __init__(self, owner: "StaticKVCache", capacity: int, sliding_window: int | None):
+        super().__init__()
+        self.owner = owner
+        self.capacity = capacity
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, k_dim = key_states.shape
+        self.device, self.dtype = key_states.device, key_states.dtype
+        # Zeros, not empty: positions past the valid length are masked, but 0 * NaN would still poison
+        # kernels that multiply masked probabilities with whole V tiles.
+        self.keys = torch.zeros(batch, heads, self.capacity, k_dim, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(batch, heads, self.capacity, value_states.shape[-1], dtype=self.dtype,
+                                  device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states: [B, Hkv, T, D]; returns the whole buffers [B, Hkv, capacity, D]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        owner = self.owner
+        if owner.decoding:
+            pos = owner.position_on(self.device)
+            self.keys.index_copy_(2, pos, key_states)
+            self.values.index_copy_(2, pos, value_states)
+        else:
+            end = owner.offset + key_states.shape[2]
+            if end > self.capacity:
+                raise ValueError(f"KV cache of {self.capacity} tokens cannot take position {end - 1}")
+            self.keys[:, :, owner.offset:end] = key_states
+            self.values[:, :, owner.offset:end] = value_states
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.capacity, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.filled
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def nbytes(self) -> int:
+        return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
+
+
+class StaticKVCache(Cache):
+    """One StaticKVLayer per decoder layer; sliding-window layers keep their window for the attention."""
+
+    layer_class = StaticKVLayer
+
+    def __init__(self, config, capacity: int):
+        text = config.get_text_config(decoder=True)
+        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        window = getattr(text, "sliding_window", None)
+        layers = [self.layer_class(self, capacity, window if t == "sliding_attention" else None) for t in types]
+        super().__init__(layers=layers)
+        self.capacity = capacity
+        self.offset = 0  # prefill: first position of the chunk in flight
+        self.filled = 0  # host view of how many positions hold real K/V (prefill only)
+        self.decoding = False
+        self._position: dict[torch.device, torch.Tensor] = {}
+        self._length: dict[torch.device, torch.Tensor] = {}
+
+    def begin_chunk(self, offset: int, n: int) -> None:
+        if offset + n > self.capacity:
+            raise ValueError(f"chunk [{offset}, {offset + n}) does not fit a KV cache of {self.capacity} tokens")
+        self.decoding, self.offset, self.filled = False, offset, offset + n
+
+    def begin_decode(self, position: torch.Tensor, length: torch.Tensor) -> None:
+        """position: [1] int64, where the new token's K/V go; length: [1] int64 = position + 1 (device)."""
+        self.decoding = True
+        self._position = {position.device: position}
+        self._length = {length.device: length}
+
+    def _on(self, table: dict, device: torch.device) -> torch.Tensor:
+        # Layers spread over several GPUs read their own copy (made once per step, no host sync).
+        if device not in table:
+            table[device] = next(iter(table.values())).to(device, non_blocking=True)
+        return table[device]
+
+    def position_on(self, device: torch.device) -> torch.Tensor:
+        return self._on(self._position, device)
+
+    def length_on(self, device: torch.device) -> torch.Tensor:
+        return self._on(self._length, device)
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)

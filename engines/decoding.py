@@ -1,0 +1,88 @@
+"""Sampling and the decode step: eager on CPU, captured once as a CUDA graph and replayed on GPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sampler:
+    """Greedy when temperature == 0; otherwise temperature + nucleus (top-p) sampling.
+
+    Sampling uses the Gumbel-max trick (argmax of logits/T + Gumbel noise) so that it runs inside a CUDA
+    graph: no multinomial, no host synchronisation.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [B, V] -> token ids [B] (int64)."""
+        if self.temperature <= 0:
+            return logits.argmax(dim=-1)
+        logits = logits.float() / self.temperature
+        if self.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            # Drop a token once the mass before it already reaches top_p (the first token always stays).
+            drop = (cum - sorted_logits.softmax(dim=-1)) >= self.top_p
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        noise = torch.rand_like(logits).clamp_(min=1e-10).log_().neg_().log_().neg_()
+        return (logits + noise).argmax(dim=-1)
+
+
+class DecodeStep:
+    """One token through the model with static shapes: `token` in, next token left in `token`.
+
+    Static device tensors: token [1, 1], position [1] (where the token's K/V go), length [1] (valid keys).
+    `forward(token, position_ids)` must return logits [1, 1, V] and write K/V through the cache.
+    """
+
+    def __init__(self, forward, cache, sampler: Sampler, device: torch.device, use_graph: bool):
+        self.forward, self.cache, self.sampler = forward, cache, sampler
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.length = torch.ones(1, dtype=torch.long, device=device)
+        self.use_graph = use_graph and device.type == "cuda"
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if sampler.temperature > 0:
+            # Seeds the CPU and CUDA default generators; the CUDA one is graph-safe (philox offsets).
+            torch.manual_seed(sampler.seed)
+
+    def _step(self) -> None:
+        self.cache.begin_decode(self.position, self.length)
+        logits = self.forward(self.token, self.position.view(1, 1))
+        self.token.copy_(self.sampler(logits[:, -1]).view(1, 1))
+        self.position.add_(1)
+        self.length.add_(1)
+
+    def start(self, token: int, position: int) -> None:
+        self.token.fill_(token)
+        self.position.fill_(position)
+        self.length.fill_(position + 1)
+        if self.use_graph and self.graph is None:
+            self._capture()
+
+    def _capture(self) -> None:
+        saved = [t.clone() for t in (self.token, self.position, self.length)]
+        side = torch.cuda.Stream(self.token.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            # Warm-up writes this step's K/V once; the first replay writes the same slot again.
+            self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        for dst, src in zip((self.token, self.position, self.length), saved):
+            dst.copy_(src)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step()
+
+    def step(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step()

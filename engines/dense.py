@@ -1,0 +1,40 @@
+"""`dense`: exact attention. Chunked prefill into the static cache, graph-captured decode.
+
+Prefill attention: FlexAttention over the static buffer with a causal(+window) block mask on GPU, SDPA with an
+explicit mask over the valid prefix on CPU. Decode attention: a split-KV Triton kernel that takes the valid
+length as a device tensor on GPU (static shapes, reads only the valid prefix), the PyTorch reference on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engines.base import Engine, _sdpa_fallback
+from kernels.chunk_attention import chunk_attention, chunk_attention_backend
+from kernels.decode_attention import decode_attention, decode_backend
+
+
+@dataclass
+class DenseConfig:
+    """The dense engine has no parameters of its own."""
+
+
+class DenseEngine(Engine):
+    name = "dense"
+    Config = DenseConfig
+
+    @staticmethod
+    def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
+                  **kwargs):
+        if longctx is None:
+            return _sdpa_fallback(module, query, key, value, attention_mask, scaling=scaling,
+                                  sliding_window=sliding_window, **kwargs)
+        if longctx.decoding:
+            out = decode_attention(query[:, :, 0], key, value, longctx.length_on(query.device), scale=scaling,
+                                   window=sliding_window)
+            return out.unsqueeze(1), None
+        out = chunk_attention(query, key, value, longctx.offset, scale=scaling, window=sliding_window)
+        return out.transpose(1, 2), None
+
+    def backends(self) -> dict[str, str]:
+        return {"prefill_attention": chunk_attention_backend(self.device), "decode_attention": decode_backend(self.device)}

@@ -1,0 +1,53 @@
+"""decode_attention: one new query token per sequence against a static, preallocated KV cache.
+
+CUDA tensors go to the split-KV Triton kernel (CUDA-graph capturable); everything else, or a machine without
+Triton, goes to the pure-torch reference. `merge_partials` combines results over key shards by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.decode_attention.reference import decode_attention as decode_attention_reference
+from kernels.decode_attention.reference import merge_partials
+
+__all__ = ["decode_attention", "decode_attention_reference", "decode_backend", "merge_partials"]
+
+
+@functools.cache
+def _triton_impl():
+    # Imported lazily: CPU machines may have no Triton at all.
+    try:
+        from kernels.decode_attention.triton import decode_attention_triton
+    except ImportError:
+        return None
+    return decode_attention_triton
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    length: torch.Tensor,
+    *,
+    scale: float,
+    window: int | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the token at position length-1 over its valid keys.
+
+    q: [B, Hq, D]; k_cache, v_cache: [B, Hkv, S, D] (Hq % Hkv == 0); length: [B] int64 on q's device,
+    1 <= length <= S; keys at index >= length are never read into the result. window: None for all valid
+    keys, else only keys with index > length - 1 - window. Returns out [B, Hq, D] in q's dtype, plus
+    lse [B, Hq] fp32 (natural log) with return_lse.
+    """
+    impl = _triton_impl() if q.is_cuda else None
+    impl = impl or decode_attention_reference
+    return impl(q, k_cache, v_cache, length, scale=scale, window=window, return_lse=return_lse)
+
+
+def decode_backend(device: torch.device) -> str:
+    """The implementation `decode_attention` uses for tensors on `device` (for reports)."""
+    return "triton split-KV" if device.type == "cuda" and _triton_impl() else "torch reference"

@@ -1,0 +1,3 @@
+"""longctx: ask questions of very long documents."""
+
+__version__ = "0.1.0"

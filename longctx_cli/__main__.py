@@ -1,0 +1,3 @@
+from longctx_cli.cli import main
+
+main()

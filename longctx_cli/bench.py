@@ -1,0 +1,130 @@
+"""`longctx bench`: speed of a profile's engine next to a baseline, on the same synthetic contexts.
+
+Per engine and length: prefill seconds (after a warm-up prefill that absorbs compilation), decode ms/token
+(median over `steps` steps after warm-up steps that absorb graph capture), peak memory, and on GPU the decode
+memory roofline = (weight bytes + KV bytes read per step) / measured copy bandwidth. Accuracy tasks plug in
+here later as rows with `task`, `length`, `score`, `dense_score`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from engines import ENGINES
+from engines.decoding import Sampler
+from longctx_cli.models import load_model
+from longctx_cli.plan import parse_count
+from longctx_cli.report import RANDOM_NOTE, environment, memory_snapshot, reset_peaks
+
+err = Console(stderr=True)
+WARMUP_STEPS = 4
+
+
+def copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30) -> float:
+    """Device memory bandwidth in bytes/s from a large device-to-device copy (read + write counted)."""
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del src, dst
+    return 2 * n_bytes / statistics.median(times)
+
+
+def _weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def measure(engine, ids: torch.Tensor, steps: int) -> dict:
+    """Prefill ids [N], then decode WARMUP_STEPS + steps tokens; returns the row's measured fields."""
+    reset_peaks()
+    question = ids[-8:]
+    state = engine.prefill(ids[:-8], reserve=8 + WARMUP_STEPS + steps + 1)
+    stream = engine.answer(state, question, WARMUP_STEPS + steps + 1, Sampler())
+    times, last = [], None
+    for i, _ in enumerate(stream):
+        now = time.perf_counter()
+        if i > WARMUP_STEPS:
+            times.append(now - last)
+        last = now
+    row = {"prefill_s": state.prefill_s, "prefill_tok_s": ids.numel() / state.prefill_s,
+           "decode_ms_per_token": 1000 * statistics.median(times),
+           "decode_ms_p10": 1000 * statistics.quantiles(times, n=10)[0] if len(times) > 1 else None,
+           "decode_ms_p90": 1000 * statistics.quantiles(times, n=10)[-1] if len(times) > 1 else None}
+    mem = memory_snapshot(state.cache.nbytes())
+    row["peak_gib"] = (max(mem["peak_gpu_bytes"].values()) if mem["peak_gpu_bytes"] else mem["host_peak_rss_bytes"]) / 2**30
+    row["kv_cache_bytes"] = mem["kv_cache_bytes"]
+    row["counters"] = engine.counters(state)
+    del state, stream
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int, json_path: str | None,
+              argv: list[str]) -> dict:
+    lm = load_model(model, device=profile.run.device, dtype=profile.run.dtype,
+                    progress=lambda m: err.print(f"[dim]{m}...[/]"))
+    engines = [(profile, ENGINES[profile.engine](lm, profile.engine_config, profile.run))]
+    if baseline is not None:
+        engines.append((baseline, ENGINES[baseline.engine](lm, baseline.engine_config, baseline.run)))
+    on_gpu = engines[0][1].device.type == "cuda"
+    bandwidth = copy_bandwidth(engines[0][1].device) if on_gpu else None
+    vocab = lm.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for length in [parse_count(x) for x in lengths.split(",")]:
+        ids = torch.randint(min(1000, vocab // 2), vocab, (length,), generator=gen)
+        for prof, engine in engines:
+            # A short warm-up run absorbs kernel compilation and graph capture.
+            measure(engine, ids[: min(length, 2 * prof.run.chunk_size)], 4)
+            err.print(f"[dim]{prof.name}: {length:,} tokens...[/]")
+            row = {"engine": prof.engine, "profile": prof.name, "context_tokens": length, **measure(engine, ids, steps)}
+            if bandwidth:
+                dtype_bytes = next(lm.model.parameters()).element_size()
+                read = _weight_bytes(lm.model) + engine.kv_read_bytes(lm.model.config, length, dtype_bytes)
+                row["roofline_ms"] = 1000 * read / bandwidth
+                row["roofline_ratio"] = row["decode_ms_per_token"] / row["roofline_ms"]
+            rows.append(row)
+    result = {"command": " ".join(["longctx", *argv[1:]]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+              "model": model or "gemma3-270m", "random_weights": lm.random_weights, "environment": environment(),
+              "hbm_bytes_per_s": bandwidth, "decode_steps": steps, "rows": rows}
+    if lm.random_weights:
+        result["note"] = RANDOM_NOTE
+    _table(result)
+    if json_path == "-":
+        sys.stdout.write(json.dumps(result, indent=1) + "\n")
+    elif json_path:
+        with open(json_path, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return result
+
+
+def _table(result: dict) -> None:
+    title = f"bench: {result['model']}" + (f" ({RANDOM_NOTE})" if result["random_weights"] else "")
+    table = Table(title=title, title_justify="left")
+    for col in ("engine", "context", "prefill s", "tok/s", "decode ms/tok", "peak GiB", "roofline ms", "ratio"):
+        table.add_column(col, justify="right")
+    for r in result["rows"]:
+        table.add_row(r["engine"], f"{r['context_tokens']:,}", f"{r['prefill_s']:.2f}", f"{r['prefill_tok_s']:,.0f}",
+                      f"{r['decode_ms_per_token']:.2f}", f"{r['peak_gib']:.2f}",
+                      f"{r['roofline_ms']:.2f}" if "roofline_ms" in r else "-",
+                      f"{r['roofline_ratio']:.2f}x" if "roofline_ratio" in r else "-")
+    err.print(table)

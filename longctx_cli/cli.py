@@ -1,0 +1,178 @@
+"""Command line: `longctx ask | bench | plan | profiles`. Answers on stdout, everything else on stderr."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from longctx_cli import __version__
+from longctx_cli.errors import EXIT_INTERRUPTED, ConfigError, LongctxError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
+                  help="Ask questions of very long documents.", pretty_exceptions_enable=False)
+profiles_app = typer.Typer(help="List profiles, or show one's resolved settings.", invoke_without_command=True)
+app.add_typer(profiles_app, name="profiles")
+err = Console(stderr=True)
+DEBUG = {"on": False}
+
+ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help="Profile name (see `longctx profiles`) or YAML path.")]
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="HF folder, cached hub id, .gguf file or random:PRESET (default: embedded Gemma 3 270M).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any profile key: --set chunk_size=4096.")]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")]
+ChunkOpt = Annotated[Optional[int], typer.Option("--chunk-size", help="Prefill chunk length in tokens.")]
+MaxNewOpt = Annotated[Optional[int], typer.Option("--max-new-tokens", "-n", help="Answer length limit.")]
+
+
+def _version(value: bool):
+    if value:
+        print(f"longctx {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")]
+    = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")] = False,
+):
+    DEBUG["on"] = debug or bool(os.environ.get("LONGCTX_DEBUG"))
+
+
+def _profile(name: str, sets: list[str] | None, **flags):
+    from longctx_cli.profiles import parse_override, resolve_profile
+
+    overrides = dict(parse_override(s) for s in sets or [])
+    overrides.update({k: v for k, v in flags.items() if v is not None})
+    return resolve_profile(name, overrides)
+
+
+@app.command()
+def ask(
+    paths: Annotated[list[str], typer.Argument(help="Files, folders or - (stdin), then the question last.")],
+    profile: ProfileOpt = "dense",
+    model: ModelOpt = None,
+    max_new_tokens: MaxNewOpt = None,
+    chunk_size: ChunkOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy.")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
+    sets: SetOpt = None,
+    glob: Annotated[str, typer.Option(help="Patterns for files inside folders, comma-separated.")] = "*.txt,*.md",
+    concat: Annotated[bool, typer.Option(help="Treat all inputs as one document.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per document on stdout.")] = False,
+    encoding_errors: Annotated[str, typer.Option(help="strict, replace or ignore for invalid UTF-8.")] = "strict",
+    layout: Annotated[str, typer.Option(help="auto, chat (template) or plain (Question:/Answer:).")] = "auto",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No report, no progress bars.")] = False,
+):
+    """Answer QUESTION about each document (or all of them with --concat)."""
+    from longctx_cli.ask import AskOptions, run_ask
+
+    if len(paths) < 2:
+        raise ConfigError("give at least one document path and then the question: longctx ask FILE QUESTION")
+    if encoding_errors not in ("strict", "replace", "ignore"):
+        raise ConfigError(f"--encoding-errors must be strict, replace or ignore, not {encoding_errors!r}")
+    if layout not in ("auto", "chat", "plain"):
+        raise ConfigError(f"--layout must be auto, chat or plain, not {layout!r}")
+    prof = _profile(profile, sets, max_new_tokens=max_new_tokens, chunk_size=chunk_size, device=device,
+                    dtype=dtype, temperature=temperature, top_p=top_p, seed=seed)
+    opts = AskOptions(paths[:-1], paths[-1], prof, model=model, glob=glob, concat=concat, json=json_out,
+                      encoding_errors=encoding_errors, layout=layout, quiet=quiet)
+    raise typer.Exit(run_ask(opts))
+
+
+@app.command()
+def bench(
+    profile: ProfileOpt = "dense",
+    model: ModelOpt = None,
+    lengths: Annotated[str, typer.Option(help="Context lengths, e.g. 4k,32k,128k.")] = "1k,4k",
+    compare: Annotated[Optional[str], typer.Option(help="Baseline profile run on the same inputs ('none' to skip).")]
+    = "dense",
+    steps: Annotated[int, typer.Option(help="Decode steps timed per length (after warm-up).")] = 32,
+    sets: SetOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    chunk_size: ChunkOpt = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the results as JSON to this file (- = stdout).")]
+    = None,
+):
+    """Speed of a profile's engine next to the dense baseline on synthetic contexts."""
+    from longctx_cli.bench import run_bench
+
+    prof = _profile(profile, sets, device=device, dtype=dtype, chunk_size=chunk_size)
+    base = None if compare in (None, "none", "") or compare == profile else _profile(compare, sets, device=device,
+                                                                                   dtype=dtype, chunk_size=chunk_size)
+    run_bench(prof, base, model=model, lengths=lengths, steps=steps, json_path=json_out, argv=sys.argv)
+
+
+@app.command()
+def plan(
+    paths: Annotated[Optional[list[str]], typer.Argument(help="Documents (or give --tokens).")] = None,
+    profile: ProfileOpt = "dense",
+    model: ModelOpt = None,
+    tokens: Annotated[Optional[str], typer.Option(help="Plan for this many tokens instead, e.g. 128k.")] = None,
+    sets: SetOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    chunk_size: ChunkOpt = None,
+    max_new_tokens: MaxNewOpt = None,
+):
+    """Predict memory per device before loading any weights, with a verdict."""
+    from longctx_cli.plan import run_plan
+
+    prof = _profile(profile, sets, device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
+    raise typer.Exit(run_plan(prof, model=model, paths=paths or [], tokens=tokens))
+
+
+@profiles_app.callback()
+def profiles_list(ctx: typer.Context):
+    """List the built-in profiles."""
+    if ctx.invoked_subcommand is None:
+        from longctx_cli.profiles import list_profiles
+
+        for name, description in list_profiles():
+            print(f"{name:<24} {description}")
+
+
+@profiles_app.command("show")
+def profiles_show(name: Annotated[str, typer.Argument(help="Profile name or YAML path.")],
+                  sets: SetOpt = None):
+    """Print a profile's resolved settings (defaults < profile < --set)."""
+    import yaml
+
+    print(yaml.safe_dump(_profile(name, sets).as_dict(), sort_keys=False), end="")
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except LongctxError as exc:
+        if DEBUG["on"]:
+            err.print_exception()
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        err.print("[yellow]interrupted[/]")
+        sys.exit(EXIT_INTERRUPTED)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except Exception as exc:  # noqa: BLE001 - the CLI boundary
+        import click
+
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(EXIT_INTERRUPTED)
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if DEBUG["on"]:
+            err.print_exception()
+        err.print(f"[red]internal error:[/] {type(exc).__name__}: {exc} (run with --debug for the traceback)")
+        sys.exit(1)

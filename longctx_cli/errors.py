@@ -1,0 +1,46 @@
+"""One error family for the whole tool; the CLI maps each class to a documented exit code.
+
+Exit codes (also in README.md):
+  0   success
+  1   unexpected internal error (run with --debug for the traceback)
+  2   bad command-line usage (Typer/Click)
+  3   input error: missing path, empty / binary / mis-encoded document
+  4   configuration error: unknown profile, engine or key, bad value, malformed YAML
+  5   model error: model not found or not loadable
+  6   document too long for the chosen engine and model
+  7   out of memory on a device
+  8   partial failure: some documents of a multi-document run failed, the others were answered
+  130 interrupted (Ctrl-C); partial output was flushed
+"""
+
+from __future__ import annotations
+
+
+class LongctxError(Exception):
+    """Base class: a message for the user (one line) and an exit code."""
+
+    exit_code = 1
+
+
+class InputError(LongctxError):
+    exit_code = 3
+
+
+class ConfigError(LongctxError):
+    exit_code = 4
+
+
+class ModelError(LongctxError):
+    exit_code = 5
+
+
+class ContextTooLongError(LongctxError):
+    exit_code = 6
+
+
+class OutOfMemoryError(LongctxError):
+    exit_code = 7
+
+
+EXIT_PARTIAL = 8
+EXIT_INTERRUPTED = 130

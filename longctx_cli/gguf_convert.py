@@ -1,0 +1,112 @@
+"""Convert a GGUF checkpoint once into a plain HF folder (safetensors + tokenizer files).
+
+transformers can load a GGUF directly, but it dequantises on every load (~50 s for Gemma 3 270M on 2 cores)
+and refuses `save_pretrained` on the result. We detach the GGUF quantizer and save an fp32 copy that reloads
+in about a second.
+
+The tokenizer needs its own path: transformers turns a SentencePiece-BPE GGUF vocabulary ("llama" tokenizer
+model without merges, as Gemma 3 ships it) into a Unigram model, which segments text differently from the
+original tokenizer ("capital" -> 4 pieces instead of one token). We rebuild the BPE instead: SentencePiece
+BPE merges the adjacent pair whose concatenation has the highest score, so every way of splitting a vocabulary
+entry into two entries is a merge ranked by that entry's score.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+# GGUF token types (llama.cpp): 1 normal, 3 control, 4 user-defined, 6 byte.
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+
+
+def _string_array(reader, key: str) -> list[str]:
+    field = reader.fields[key]
+    return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+
+
+def _number_array(reader, key: str) -> np.ndarray:
+    field = reader.fields[key]
+    return np.concatenate([field.parts[i] for i in field.data])
+
+
+def _scalar(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def spm_bpe_tokenizer(gguf_path: Path):
+    """A PreTrainedTokenizerFast rebuilt from a GGUF's SentencePiece-BPE vocabulary and scores.
+
+    Returns None when the GGUF's tokenizer is not of that kind (transformers' own conversion is right then).
+    """
+    from gguf import GGUFReader
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    reader = GGUFReader(str(gguf_path))
+    if _scalar(reader, "tokenizer.ggml.model") != "llama" or "tokenizer.ggml.merges" in reader.fields:
+        return None
+    tokens = _string_array(reader, "tokenizer.ggml.tokens")
+    scores = _number_array(reader, "tokenizer.ggml.scores")
+    types = _number_array(reader, "tokenizer.ggml.token_type")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+
+    ranked = []
+    for i, tok in enumerate(tokens):
+        if types[i] not in (_NORMAL, _USER_DEFINED):
+            continue
+        for cut in range(1, len(tok)):
+            left, right = vocab.get(tok[:cut]), vocab.get(tok[cut:])
+            if left is not None and right is not None:
+                ranked.append((-float(scores[i]), left, right))
+    ranked.sort()
+    merges = [(tokens[a], tokens[b]) for _, a, b in ranked]
+
+    unk = tokens[_scalar(reader, "tokenizer.ggml.unknown_token_id", 0)]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=True, unk_token=unk))
+    prefix = [normalizers.Prepend("▁")] if _scalar(reader, "tokenizer.ggml.add_space_prefix", False) else []
+    backend.normalizer = normalizers.Sequence(prefix + [normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens(
+        [AddedToken(tok, special=True, normalized=False) for i, tok in enumerate(tokens) if types[i] == _CONTROL]
+    )
+    special = {}
+    for role in ("bos", "eos", "unknown", "padding"):
+        idx = _scalar(reader, f"tokenizer.ggml.{role}_token_id")
+        if idx is not None:
+            special[{"unknown": "unk", "padding": "pad"}.get(role, role) + "_token"] = tokens[idx]
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress=lambda msg: None) -> Path:
+    """Write `out_dir` (config, fp32 safetensors, tokenizer) from `gguf_path`; atomic: a crash leaves nothing."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    progress("converting the tokenizer")
+    tokenizer = spm_bpe_tokenizer(gguf_path)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(tmp)
+    progress("dequantising the weights")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # transformers refuses to serialise a model that still carries its GGUF quantizer; the weights are
+    # already dequantised, so detaching it is lossless.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    progress("writing safetensors")
+    model.save_pretrained(tmp)
+    (tmp / "longctx.json").write_text(json.dumps({"source": str(gguf_path), "converted_by": "longctx"}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir

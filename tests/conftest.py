@@ -1,0 +1,43 @@
+"""Shared fixtures: the embedded model, loaded once per test session (converted on first use)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from longctx_cli.models import load_model
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="session")
+def lm():
+    """The embedded Gemma 3 270M on CPU, fp32."""
+    return load_model(None, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def story_text() -> str:
+    from pathlib import Path
+
+    return (Path(__file__).parent.parent / "samples" / "lighthouse.txt").read_text()
+
+
+def run_cli(args: list[str], capsys, monkeypatch, stdin_text: str | None = None):
+    """Runs `longctx ARGS` in-process; returns (exit code, stdout, stderr)."""
+    import io
+
+    from longctx_cli import cli
+
+    monkeypatch.setattr(sys, "argv", ["longctx", *args])
+    if stdin_text is not None:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin_text.encode())))
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out = capsys.readouterr()
+    return code, out.out, out.err

@@ -1,0 +1,124 @@
+"""The dense engine on the real embedded model: exactness against transformers' own generate and forward."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from engines import ENGINES
+from engines.decoding import Sampler
+from longctx_cli.profiles import resolve_profile
+from tests.conftest import gpu
+
+pytestmark = pytest.mark.slow
+
+
+def _engine(lm, **overrides):
+    profile = resolve_profile("dense", overrides)
+    return ENGINES["dense"](lm, profile.engine_config, profile.run)
+
+
+def _document_ids(lm, text: str, n: int) -> torch.Tensor:
+    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = (ids * (n // len(ids) + 1))[: n - 1]
+    return torch.tensor([lm.tokenizer.bos_token_id, *ids])
+
+
+def test_greedy_equals_generate(lm, story_text):
+    """~1K-token document + question: the engine's greedy tokens equal model.generate's, token for token."""
+    ids = _document_ids(lm, story_text, 1000)
+    question = torch.tensor(lm.tokenizer("\n\nQuestion: What was the name of the schooner?\nAnswer:",
+                                         add_special_tokens=False)["input_ids"])
+    engine = _engine(lm, chunk_size=256)
+    state = engine.prefill(ids, reserve=question.numel() + 24)
+    ours = list(engine.answer(state, question, 24, Sampler()))
+
+    lm.model.set_attn_implementation("sdpa")
+    full = torch.cat([ids, question]).view(1, -1)
+    with torch.inference_mode():
+        ref = lm.model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=24, do_sample=False,
+                                min_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    assert ours == ref[0, full.shape[1]:].tolist()
+    assert state.cache.capacity == ids.numel() + question.numel() + 24
+
+
+@pytest.mark.parametrize("chunk", [97, 256, 1000, 4096], ids=lambda c: f"chunk{c}")
+def test_chunked_prefill_matches_one_shot(lm, story_text, chunk):
+    """Chunk sizes that do and do not divide the length give the one-shot last-token logits (fp32, 1e-4)."""
+    ids = _document_ids(lm, story_text, 1500)
+    lm.model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        ref = lm.model(ids.view(1, -1)).logits[0, -1].float()
+    state = _engine(lm, chunk_size=chunk).prefill(ids, reserve=1)
+    got = state.last_logits[0]
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert got.argmax() == ref.argmax()
+
+
+def test_sliding_window_layers_see_only_their_window(lm):
+    """Past Gemma 3's 512-token window the sliding layers must drop old keys: compare with HF beyond 512."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 20000, (700,), generator=gen)
+    lm.model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        ref = lm.model(ids.view(1, -1)).logits[0, -1].float()
+    got = _engine(lm, chunk_size=128).prefill(ids, reserve=1).last_logits[0]
+    assert torch.allclose(got, ref, atol=1e-3 * ref.abs().max().item())
+
+
+def test_sampling_is_seeded(lm, story_text):
+    ids = _document_ids(lm, story_text, 300)
+    engine = _engine(lm)
+    runs = []
+    for _ in range(2):
+        state = engine.prefill(ids, reserve=16)
+        runs.append(list(engine.answer(state, torch.tensor([], dtype=torch.long), 16,
+                                       Sampler(temperature=1.0, top_p=0.9, seed=3))))
+    assert runs[0] == runs[1]
+
+
+def test_converted_cache_reloads_fast_with_identical_logits(lm):
+    """The safetensors copy gives the logits of the GGUF loaded by transformers itself, and reloads fast."""
+    from transformers import AutoModelForCausalLM
+
+    from longctx_cli.models import _load_model, longctx_home
+
+    gguf = longctx_home() / "gguf" / "gemma-3-270m-q4_k_m.gguf"
+    ids = torch.tensor([[2, 818, 5279, 529, 7001, 563]])  # "<bos>The capital of France is"
+    start = time.perf_counter()
+    again = _load_model(None, "cpu", "float32", lm.tokenizer, lambda m: None)
+    reload_s = time.perf_counter() - start
+    original = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with torch.inference_mode():
+        again.model.set_attn_implementation("sdpa")
+        a, b = again.model(ids).logits, original(ids).logits
+    assert torch.equal(a, b)
+    assert reload_s < 30, f"cached model took {reload_s:.1f} s to load"
+
+
+def test_tokenizer_matches_gemma_segmentation(lm):
+    """The rebuilt SentencePiece-BPE tokenizer segments like Gemma 3's own (not GGUF's Unigram import)."""
+    assert lm.tokenizer("The capital of France is", add_special_tokens=False)["input_ids"] == [818, 5279, 529, 7001,
+                                                                                                563]
+    text = "Hello  world\n\nTabs\tand ünïcödé 日本語 🙂 <b>"
+    assert lm.tokenizer.decode(lm.tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+
+
+@gpu
+@pytest.mark.gpu
+def test_graph_decode_equals_eager_decode_on_gpu():
+    """On CUDA: the captured decode step replays to exactly the eager loop's greedy tokens."""
+    from longctx_cli.models import load_model
+
+    lm = load_model(None, device="cuda", dtype="bfloat16")
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1000, 20000, (3000,), generator=gen)
+    outs = []
+    for graph in (True, False):
+        engine = _engine(lm, decode_graph=graph, chunk_size=1024)
+        state = engine.prefill(ids, reserve=40)
+        outs.append(list(engine.answer(state, ids[:8], 32, Sampler())))
+        assert (state.decode.graph is not None) == graph
+    assert outs[0] == outs[1]

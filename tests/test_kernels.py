@@ -1,0 +1,268 @@
+"""Kernels against their references: CPU always (reference vs naive fp64), GPU paths on the device."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.chunk_attention import chunk_attention
+from kernels.chunk_attention.reference import chunk_attention as chunk_reference
+from kernels.decode_attention import decode_attention, merge_partials
+from kernels.decode_attention.reference import decode_attention as decode_reference
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(42)
+
+
+def make_cache(B, Hkv, S, D, lengths, dtype=torch.float32, device="cpu"):
+    """Random K/V [B, Hkv, S, D] with everything at index >= lengths[b] poisoned with NaN."""
+    k = torch.randn(B, Hkv, S, D, dtype=dtype, device=device)
+    v = torch.randn(B, Hkv, S, D, dtype=dtype, device=device)
+    for b, n in enumerate(lengths):
+        k[b, :, n:] = float("nan")
+        v[b, :, n:] = float("nan")
+    return k, v
+
+
+def naive_decode(q, k, v, lengths, scale, window=None):
+    """Per-sequence fp64 attention of the last valid position: (out [B, Hq, D], lse [B, Hq])."""
+    B, Hq, D = q.shape
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        lo = 0 if window is None else max(0, n - window)
+        kb = k[b, :, lo:n].double().repeat_interleave(Hq // k.shape[1], dim=0)  # [Hq, n - lo, D]
+        vb = v[b, :, lo:n].double().repeat_interleave(Hq // k.shape[1], dim=0)
+        s = torch.einsum("hd,hnd->hn", q[b].double(), kb) * scale
+        outs.append(torch.einsum("hn,hnd->hd", s.softmax(-1), vb))
+        lses.append(s.logsumexp(-1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def naive_chunk(q, k, v, offset, scale, window=None):
+    """fp64 causal attention of q [B, Hq, T, D] at positions offset.. over k, v [B, Hkv, offset+T, D]."""
+    T, L = q.shape[2], offset + q.shape[2]
+    group = q.shape[1] // k.shape[1]
+    k = k[:, :, :L].double().repeat_interleave(group, dim=1)
+    v = v[:, :, :L].double().repeat_interleave(group, dim=1)
+    pos = torch.arange(offset, L)[:, None]
+    kv = torch.arange(L)[None, :]
+    mask = kv <= pos if window is None else (kv <= pos) & (kv > pos - window)
+    s = (q.double() @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return s.softmax(-1) @ v
+
+
+DECODE_CASES = [
+    # B, Hq, Hkv, D, S, lengths
+    (2, 8, 2, 64, 1000, [1000, 63]),
+    (1, 4, 4, 32, 70, [1]),
+    (3, 8, 1, 64, 4200, [4097, 1000, 17]),
+    (2, 16, 2, 128, 300, [257, 300]),
+]
+
+
+def _case_id(c):
+    B, Hq, Hkv, D, S, lengths = c
+    return f"B{B}-Hq{Hq}-Hkv{Hkv}-D{D}-S{S}-L{'_'.join(map(str, lengths))}"
+
+
+@pytest.mark.parametrize("window", [None, 100], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
+def test_decode_reference_matches_naive(case, window):
+    B, Hq, Hkv, D, S, lengths = case
+    q = torch.randn(B, Hq, D)
+    k, v = make_cache(B, Hkv, S, D, lengths)
+    scale = D**-0.5
+    out, lse = decode_attention(q, k, v, torch.tensor(lengths), scale=scale, window=window, return_lse=True)
+    ref_out, ref_lse = naive_decode(q, k, v, lengths, scale, window)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_decode_reference_bf16_accumulates_in_fp32():
+    lengths = [1000, 500]
+    q = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    k, v = make_cache(2, 2, 1024, 64, lengths, dtype=torch.bfloat16)
+    out = decode_reference(q, k, v, torch.tensor(lengths), scale=0.125)
+    ref, _ = naive_decode(q, k, v, lengths, 0.125)
+    assert out.dtype == torch.bfloat16
+    # Only the final rounding to bf16 separates the two.
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=2**-8)
+
+
+@pytest.mark.parametrize("bounds", [[0], [0, 300], [0, 100, 700]], ids=lambda b: f"shards{len(b)}")
+def test_merge_partials_equals_full_attention(bounds):
+    lengths = [1000, 250]  # the second sequence leaves the last shards empty
+    S, Hq, Hkv, D = 1000, 8, 2, 64
+    q = torch.randn(2, Hq, D)
+    k, v = make_cache(2, Hkv, S, D, lengths)
+    outs, lses = [], []
+    for lo, hi in zip(bounds, bounds[1:] + [S]):
+        shard_len = torch.tensor(lengths).sub(lo).clamp(0, hi - lo)
+        o, s = decode_reference(q, k[:, :, lo:hi], v[:, :, lo:hi], shard_len, scale=0.125, return_lse=True)
+        outs.append(o)
+        lses.append(s)
+    out, lse = merge_partials(outs, lses)
+    ref_out, ref_lse = naive_decode(q, k, v, lengths, 0.125)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_merge_partials_all_empty_gives_zero():
+    out, lse = merge_partials([torch.full((2, 4), float("nan"))] * 2, [torch.full((2,), -math.inf)] * 2)
+    assert torch.equal(out, torch.zeros(2, 4)) and torch.all(lse == -math.inf)
+
+
+CHUNK_CASES = [
+    # B, Hq, Hkv, D, S, offset, T
+    (2, 8, 2, 64, 1200, 0, 1000),
+    (1, 4, 1, 64, 1200, 1000, 63),
+    (2, 4, 4, 32, 700, 300, 257),
+]
+
+
+@pytest.mark.parametrize("window", [None, 100], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize(
+    "case", CHUNK_CASES, ids=lambda c: "B{}-Hq{}-Hkv{}-D{}-S{}-off{}-T{}".format(*c)
+)
+def test_chunk_reference_matches_naive(case, window):
+    B, Hq, Hkv, D, S, offset, T = case
+    q = torch.randn(B, Hq, T, D)
+    k, v = make_cache(B, Hkv, S, D, [offset + T] * B)
+    out = chunk_attention(q, k, v, offset, scale=D**-0.5, window=window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.double(), naive_chunk(q, k, v, offset, D**-0.5, window), atol=2e-5, rtol=1e-4)
+
+
+def test_chunk_then_decode_agree():
+    """The last query of a chunk and a decode step at the same position are the same attention."""
+    q = torch.randn(1, 8, 40, 64)
+    k, v = make_cache(1, 2, 200, 64, [140])
+    chunk = chunk_reference(q, k, v, 100, scale=0.125, window=50)
+    step = decode_reference(q[:, :, -1], k, v, torch.tensor([140]), scale=0.125, window=50)
+    torch.testing.assert_close(chunk[:, :, -1], step, atol=1e-5, rtol=1e-5)
+
+
+def lowp_decode(q, k, v, lengths, scale, window=None):
+    """The same attention computed by torch at the inputs' dtype, no upcast: the yardstick for kernel error."""
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    for b, n in enumerate(lengths):
+        lo = 0 if window is None else max(0, n - window)
+        kb = k[b, :, lo:n].repeat_interleave(group, dim=0)
+        vb = v[b, :, lo:n].repeat_interleave(group, dim=0)
+        p = (torch.einsum("hd,hnd->hn", q[b], kb) * scale).softmax(-1)
+        outs.append(torch.einsum("hn,hnd->hd", p, vb))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("window", [None, 512], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("length", [1, 17, 1000, 4097, 32768], ids=lambda n: f"L{n}")
+@pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
+@pytest.mark.gpu
+@requires_cuda
+def test_decode_triton_matches_reference(D, group, length, window, dtype):
+    from kernels.decode_attention.triton import decode_attention_triton
+
+    Hkv, lengths = 2, [length, max(1, length // 3)]
+    S = length + 37  # a buffer that is not a whole number of tiles, with NaN past each length
+    q = torch.randn(2, Hkv * group, D, device="cuda", dtype=dtype)
+    k, v = make_cache(2, Hkv, S, D, lengths, dtype=dtype, device="cuda")
+    length_t = torch.tensor(lengths, device="cuda")
+    scale = D**-0.5
+    out, lse = decode_attention_triton(q, k, v, length_t, scale=scale, window=window, return_lse=True)
+    ref, ref_lse = decode_reference(q.float(), k.float(), v.float(), length_t, scale=scale, window=window,
+                                    return_lse=True)
+    assert out.dtype == dtype and not out.isnan().any()
+    err = (out.float() - ref).abs().max().item()
+    torch_err = (lowp_decode(q, k, v, lengths, scale, window).float() - ref).abs().max().item()
+    assert err <= 2 * torch_err + 1e-5, f"kernel error {err:.2e} vs torch {dtype} error {torch_err:.2e}"
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, 512], ids=lambda w: f"W{w}")
+@pytest.mark.gpu
+@requires_cuda
+def test_decode_triton_cuda_graph_follows_length(window):
+    B, Hq, Hkv, D, S = 2, 32, 8, 128, 8192
+    schedule = [[100, 5000], [7000, 1], [8192, 4097]]
+    k, v = make_cache(B, Hkv, S, D, [S, 5000], dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    length = torch.tensor(schedule[0], device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        decode_attention(q, k, v, length, scale=D**-0.5, window=window)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k, v, length, scale=D**-0.5, window=window)
+    for lengths in schedule:
+        length.copy_(torch.tensor(lengths))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        ref = decode_reference(q.float(), k.float(), v.float(), length, scale=D**-0.5, window=window)
+        torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_decode_triton_int64_offsets():
+    """B*Hkv*S*D > 2**31: element offsets of the last sequences overflow int32."""
+    from kernels.decode_attention.triton import decode_attention_triton
+
+    B, Hkv, S, D = 17, 8, 131072, 128
+    assert B * Hkv * S * D > 2**31
+    lengths = [S - 5] * (B - 1) + [S]
+    q = torch.randn(B, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    k, v = make_cache(B, Hkv, S, D, lengths, dtype=torch.bfloat16, device="cuda")
+    v += torch.arange(B, device="cuda").view(B, 1, 1, 1)  # reading another sequence's rows shows up as >= 1
+    length = torch.tensor(lengths, device="cuda")
+    out = decode_attention_triton(q, k, v, length, scale=D**-0.5)
+    ref = decode_reference(q[-2:].float(), k[-2:].float(), v[-2:].float(), length[-2:], scale=D**-0.5)
+    torch.testing.assert_close(out[-2:].float(), ref, atol=1e-3, rtol=1e-2)
+
+
+def lowp_chunk(q, k, v, offset, scale, window=None):
+    T, L = q.shape[2], offset + q.shape[2]
+    group = q.shape[1] // k.shape[1]
+    k = k[:, :, :L].repeat_interleave(group, dim=1)
+    v = v[:, :, :L].repeat_interleave(group, dim=1)
+    pos = torch.arange(offset, L, device=q.device)[:, None]
+    kv = torch.arange(L, device=q.device)[None, :]
+    mask = kv <= pos if window is None else (kv <= pos) & (kv > pos - window)
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("window", [None, 512], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("T", [1000, 4096], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("offset", [0, 4096], ids=lambda o: f"off{o}")
+@pytest.mark.parametrize("D", [128, 256], ids=lambda d: f"D{d}")
+@pytest.mark.gpu
+@requires_cuda
+def test_chunk_flex_matches_reference(D, offset, T, window):
+    from kernels.chunk_attention.flex import BLOCK, chunk_attention_flex
+
+    B, Hq, Hkv, S = 1, 8, 2, 8292
+    q = torch.randn(B, Hq, T, D, device="cuda", dtype=torch.bfloat16)
+    # Flex's contract: NaN is allowed only in key blocks wholly past the chunk (never read); the rest of the
+    # garbage, which shares a block with valid keys, must be finite. Make it large to show it is masked.
+    end = offset + T
+    k, v = make_cache(B, Hkv, S, D, [end] * B, dtype=torch.bfloat16, device="cuda")
+    k[:, :, end : -(-end // BLOCK) * BLOCK] = 1e4
+    v[:, :, end : -(-end // BLOCK) * BLOCK] = 1e4
+    out = chunk_attention_flex(q, k, v, offset, scale=D**-0.5, window=window)
+    ref = chunk_reference(q.float(), k.float(), v.float(), offset, scale=D**-0.5, window=window)
+    assert not out.isnan().any()
+    err = (out.float() - ref).abs().max().item()
+    torch_err = (lowp_chunk(q, k, v, offset, D**-0.5, window).float() - ref).abs().max().item()
+    assert err <= 2 * torch_err + 1e-5, f"flex error {err:.2e} vs torch bf16 error {torch_err:.2e}"
