@@ -52,10 +52,11 @@ def _weight_bytes(model) -> int:
 
 
 def measure(engine, ids: torch.Tensor, steps: int) -> dict:
-    """Prefill ids [N], then decode WARMUP_STEPS + steps tokens; returns the row's measured fields."""
+    """Prefill ids [N] (the context), ask 8 more tokens, decode WARMUP_STEPS + steps tokens; the row's fields."""
+    gen = torch.Generator().manual_seed(1)
+    question = torch.randint(int(ids.min()), int(ids.max()) + 1, (8,), generator=gen)
     reset_peaks()
-    question = ids[-8:]
-    state = engine.prefill(ids[:-8], reserve=8 + WARMUP_STEPS + steps + 1)
+    state = engine.prefill(ids, reserve=8 + WARMUP_STEPS + steps + 1)
     stream = engine.answer(state, question, WARMUP_STEPS + steps + 1, Sampler())
     times, last = [], None
     for i, _ in enumerate(stream):
@@ -63,14 +64,13 @@ def measure(engine, ids: torch.Tensor, steps: int) -> dict:
         if i > WARMUP_STEPS:
             times.append(now - last)
         last = now
+    deciles = statistics.quantiles(times, n=10) if len(times) > 1 else [None]
     row = {"prefill_s": state.prefill_s, "prefill_tok_s": ids.numel() / state.prefill_s,
            "decode_ms_per_token": 1000 * statistics.median(times),
-           "decode_ms_p10": 1000 * statistics.quantiles(times, n=10)[0] if len(times) > 1 else None,
-           "decode_ms_p90": 1000 * statistics.quantiles(times, n=10)[-1] if len(times) > 1 else None}
+           "decode_ms_p10": deciles[0] and 1000 * deciles[0], "decode_ms_p90": deciles[-1] and 1000 * deciles[-1]}
     mem = memory_snapshot(state.cache.nbytes())
-    row["peak_gib"] = (max(mem["peak_gpu_bytes"].values()) if mem["peak_gpu_bytes"] else mem["host_peak_rss_bytes"]) / 2**30
-    row["kv_cache_bytes"] = mem["kv_cache_bytes"]
-    row["counters"] = engine.counters(state)
+    peak = max(mem["peak_gpu_bytes"].values()) if mem["peak_gpu_bytes"] else mem["host_peak_rss_bytes"]
+    row.update(peak_gib=peak / 2**30, kv_cache_bytes=mem["kv_cache_bytes"], counters=engine.counters(state))
     del state, stream
     gc.collect()
     if torch.cuda.is_available():
@@ -93,8 +93,8 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
     for length in [parse_count(x) for x in lengths.split(",")]:
         ids = torch.randint(min(1000, vocab // 2), vocab, (length,), generator=gen)
         for prof, engine in engines:
-            # A short warm-up run absorbs kernel compilation and graph capture.
-            measure(engine, ids[: min(length, 2 * prof.run.chunk_size)], 4)
+            # An identical warm-up run absorbs kernel compilation (per shape) and graph capture.
+            measure(engine, ids, 2)
             err.print(f"[dim]{prof.name}: {length:,} tokens...[/]")
             row = {"engine": prof.engine, "profile": prof.name, "context_tokens": length, **measure(engine, ids, steps)}
             if bandwidth:
