@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-from transformers import AttentionInterface
+from transformers.modeling_utils import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engines.cache import StaticKVCache
@@ -59,6 +59,7 @@ class Engine(ABC):
         AttentionInterface.register(self._impl, type(self).attention)
         self.activate()
         self.device = self.model.get_input_embeddings().weight.device
+        self.has_sliding_layers = "sliding_attention" in (getattr(self.text_config, "layer_types", None) or [])
         self.single_device = len({p.device for p in self.model.parameters()}) == 1
 
     @staticmethod

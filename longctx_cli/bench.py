@@ -94,7 +94,7 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
         ids = torch.randint(min(1000, vocab // 2), vocab, (length,), generator=gen)
         for prof, engine in engines:
             # An identical warm-up run absorbs kernel compilation (per shape) and graph capture.
-            measure(engine, ids, 2)
+            measure(engine, ids, steps)
             err.print(f"[dim]{prof.name}: {length:,} tokens...[/]")
             row = {"engine": prof.engine, "profile": prof.name, "context_tokens": length, **measure(engine, ids, steps)}
             if bandwidth:

@@ -1,7 +1,9 @@
 """chunk_attention: a chunk of T prefill queries against a static, preallocated KV cache.
 
-CUDA tensors go to FlexAttention over the full static buffer (set LONGCTX_NO_FLEX=1 to opt out); everything
-else, or a torch without FlexAttention, goes to the SDPA reference.
+On CUDA, layers without a sliding window go to SDPA with a lower-right causal bias (flash kernel, strided view
+of the valid prefix) and windowed layers to FlexAttention over the full static buffer; everything else goes to
+the SDPA reference with an explicit mask. LONGCTX_CHUNK_ATTENTION=flex|sdpa|reference forces one path (where
+it applies) for comparisons.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import os
 import torch
 
 from kernels.chunk_attention.reference import chunk_attention as chunk_attention_reference
+from kernels.chunk_attention.sdpa import chunk_attention_sdpa
 
 __all__ = ["chunk_attention", "chunk_attention_backend", "chunk_attention_reference"]
+
 
 
 @functools.cache
@@ -23,6 +27,22 @@ def _flex_impl():
     except ImportError:
         return None
     return chunk_attention_flex
+
+
+def _choice() -> str:
+    choice = os.environ.get("LONGCTX_CHUNK_ATTENTION", "auto")
+    if choice not in ("auto", "flex", "sdpa", "reference"):
+        raise ValueError(f"LONGCTX_CHUNK_ATTENTION must be auto, flex, sdpa or reference, not {choice!r}")
+    return choice
+
+
+def _pick(device: torch.device, window: int | None):
+    choice = _choice()
+    if device.type != "cuda" or choice == "reference":
+        return chunk_attention_reference
+    if window is None and choice in ("auto", "sdpa"):
+        return chunk_attention_sdpa
+    return _flex_impl() or chunk_attention_reference
 
 
 def chunk_attention(
@@ -38,16 +58,15 @@ def chunk_attention(
 
     q: [B, Hq, T, D]; k_cache, v_cache: [B, Hkv, S, D] (Hq % Hkv == 0), valid below offset + T. The query at
     position p sees keys kv <= p and, with a window, kv > p - window. Returns out [B, Hq, T, D] in q's dtype.
-    On CUDA the cache past offset + T must hold finite values (see flex.py); the reference never reads it.
+    On CUDA with a window the cache past offset + T must hold finite values (see flex.py).
     """
-    impl = None
-    if q.is_cuda and os.environ.get("LONGCTX_NO_FLEX") != "1":
-        impl = _flex_impl()
-    impl = impl or chunk_attention_reference
-    return impl(q, k_cache, v_cache, offset, scale=scale, window=window)
+    return _pick(q.device, window)(q, k_cache, v_cache, offset, scale=scale, window=window)
 
 
-def chunk_attention_backend(device: torch.device) -> str:
-    """The implementation `chunk_attention` uses for tensors on `device` (for reports)."""
-    flex = device.type == "cuda" and os.environ.get("LONGCTX_NO_FLEX") != "1" and _flex_impl()
-    return "flex attention" if flex else "sdpa reference"
+def chunk_attention_backend(device: torch.device, windows: bool = False) -> str:
+    """Which implementations `chunk_attention` uses on `device` (for reports)."""
+    names = {chunk_attention_reference: "sdpa reference (explicit mask)",
+             chunk_attention_sdpa: "sdpa lower-right causal", _flex_impl(): "flex attention"}
+    full = names[_pick(device, None)]
+    sliding = names[_pick(device, 512)]
+    return full if not windows or sliding == full else f"{full}; sliding-window layers: {sliding}"
