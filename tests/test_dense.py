@@ -130,15 +130,23 @@ def test_graph_decode_equals_eager_decode_on_gpu(preset):
 
 @gpu
 @pytest.mark.gpu
-def test_gpu_prefill_matches_sdpa_on_gpu():
-    """Flex chunked prefill on CUDA gives the last-token logits of HF's one-shot SDPA forward (bf16)."""
+@pytest.mark.parametrize("preset", ["gemma3-270m", "qwen3-1.7b"])
+def test_gpu_prefill_error_within_twice_hf_bf16_error(preset):
+    """Chunked bf16 prefill on CUDA (SDPA lower-right / Flex) against an fp32 one-shot HF forward: its error on
+    the last-token logits is at most 2x that of HF's own one-shot bf16 SDPA forward (flash-attention's rule)."""
+    import copy
+
     from longctx_cli.models import load_model
 
-    lm = load_model("random:qwen3-1.7b", device="cuda", dtype="bfloat16")
+    lm = load_model(f"random:{preset}", device="cuda", dtype="bfloat16")
     ids = torch.randint(1000, 20000, (5000,), generator=torch.Generator().manual_seed(2))
+    reference = copy.deepcopy(lm.model).float()
+    reference.set_attn_implementation("sdpa")
     lm.model.set_attn_implementation("sdpa")
     with torch.inference_mode():
-        ref = lm.model(ids.view(1, -1).cuda(), logits_to_keep=1).logits[0, -1].float()
+        exact = reference(ids.view(1, -1).cuda(), logits_to_keep=1).logits[0, -1].float()
+        hf = lm.model(ids.view(1, -1).cuda(), logits_to_keep=1).logits[0, -1].float()
+    del reference
     got = _engine(lm, chunk_size=1024).prefill(ids, reserve=1).last_logits[0]
-    rel = ((got - ref).norm() / ref.norm()).item()
-    assert rel < 2e-2, rel
+    ours, theirs = ((got - exact).norm() / exact.norm()).item(), ((hf - exact).norm() / exact.norm()).item()
+    assert ours <= 2 * theirs + 1e-3, f"chunked prefill error {ours:.2e} vs HF bf16 one-shot {theirs:.2e}"
