@@ -1,7 +1,7 @@
 """`dense`: exact attention. Chunked prefill into the static cache, graph-captured decode.
 
-Prefill attention: on GPU SDPA (flash) with a lower-right causal bias over the valid prefix, FlexAttention with
-a block mask for sliding-window layers; on CPU SDPA with an explicit mask over the valid prefix. Decode attention: a split-KV Triton kernel that takes the valid
+Prefill attention: FlexAttention over the static buffer with a causal(+window) block mask on GPU, SDPA with an
+explicit mask over the valid prefix on CPU. Decode attention: a split-KV Triton kernel that takes the valid
 length as a device tensor on GPU (static shapes, reads only the valid prefix), the PyTorch reference on CPU.
 """
 

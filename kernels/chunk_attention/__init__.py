@@ -1,9 +1,9 @@
 """chunk_attention: a chunk of T prefill queries against a static, preallocated KV cache.
 
-On CUDA, layers without a sliding window go to SDPA with a lower-right causal bias (flash kernel, strided view
-of the valid prefix) and windowed layers to FlexAttention over the full static buffer; everything else goes to
-the SDPA reference with an explicit mask. LONGCTX_CHUNK_ATTENTION=flex|sdpa|reference forces one path (where
-it applies) for comparisons.
+On CUDA every layer goes to FlexAttention over the full static buffer; elsewhere to the SDPA reference with an
+explicit mask. LONGCTX_CHUNK_ATTENTION=sdpa sends layers without a sliding window to SDPA with a lower-right
+causal bias instead (measured on an H100, Llama-3.1-8B shape, 128K tokens: 16.8 s vs Flex's 15.1 s at chunk
+8192), =reference forces the reference, for comparisons.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _pick(device: torch.device, window: int | None):
     choice = _choice()
     if device.type != "cuda" or choice == "reference":
         return chunk_attention_reference
-    if window is None and choice in ("auto", "sdpa"):
+    if window is None and choice == "sdpa":
         return chunk_attention_sdpa
     return _flex_impl() or chunk_attention_reference
 

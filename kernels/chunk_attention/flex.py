@@ -25,6 +25,10 @@ BLOCK = 128
 
 @functools.cache
 def _compiled_flex():
+    # One compile per (T, S, D, dtype, window, heads): a long run over many documents (each with its own cache
+    # capacity) or several models passes Dynamo's default limit of 8, after which fullgraph raises.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
     return torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
 
