@@ -59,6 +59,8 @@ class Engine(ABC):
         AttentionInterface.register(self._impl, type(self).attention)
         self.activate()
         self.device = self.model.get_input_embeddings().weight.device
+        self.head_dim = getattr(self.text_config, "head_dim", None) or (
+            self.text_config.hidden_size // self.text_config.num_attention_heads)
         self.has_sliding_layers = "sliding_attention" in (getattr(self.text_config, "layer_types", None) or [])
         self.single_device = len({p.device for p in self.model.parameters()}) == 1
 

@@ -1,7 +1,7 @@
 """`dense`: exact attention. Chunked prefill into the static cache, graph-captured decode.
 
-Prefill attention: FlexAttention over the static buffer with a causal(+window) block mask on GPU, SDPA with an
-explicit mask over the valid prefix on CPU. Decode attention: a split-KV Triton kernel that takes the valid
+Prefill attention on GPU: cuDNN attention (prefix + diagonal merged by log-sum-exp) for full layers, FlexAttention
+with a causal+window block mask for sliding-window layers; on CPU SDPA with an explicit mask. Decode attention: a split-KV Triton kernel that takes the valid
 length as a device tensor on GPU (static shapes, reads only the valid prefix), the PyTorch reference on CPU.
 """
 
@@ -37,4 +37,4 @@ class DenseEngine(Engine):
         return out.transpose(1, 2), None
 
     def backends(self) -> dict[str, str]:
-        return {"prefill_attention": chunk_attention_backend(self.device, self.has_sliding_layers), "decode_attention": decode_backend(self.device)}
+        return {"prefill_attention": chunk_attention_backend(self.device, self.has_sliding_layers, self.head_dim), "decode_attention": decode_backend(self.device)}

@@ -1,9 +1,9 @@
 """chunk_attention: a chunk of T prefill queries against a static, preallocated KV cache.
 
-On CUDA every layer goes to FlexAttention over the full static buffer; elsewhere to the SDPA reference with an
-explicit mask. LONGCTX_CHUNK_ATTENTION=sdpa sends layers without a sliding window to SDPA with a lower-right
-causal bias instead (measured on an H100, Llama-3.1-8B shape, 128K tokens: 16.8 s vs Flex's 15.1 s at chunk
-8192), =reference forces the reference, for comparisons.
+On CUDA, layers without a sliding window (head_dim <= 128) go to cuDNN attention split into prefix + diagonal
+and merged by log-sum-exp (cudnn.py; the fastest measured on an H100), windowed layers to FlexAttention over
+the full static buffer; elsewhere the SDPA reference with an explicit mask runs. LONGCTX_CHUNK_ATTENTION=
+flex|sdpa|reference forces a path for comparisons (sdpa: lower-right causal bias, flash kernel).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import torch
 
 from kernels.chunk_attention.reference import chunk_attention as chunk_attention_reference
+from kernels.chunk_attention.cudnn import chunk_attention_cudnn
 from kernels.chunk_attention.sdpa import chunk_attention_sdpa
 
 __all__ = ["chunk_attention", "chunk_attention_backend", "chunk_attention_reference"]
@@ -31,17 +32,19 @@ def _flex_impl():
 
 def _choice() -> str:
     choice = os.environ.get("LONGCTX_CHUNK_ATTENTION", "auto")
-    if choice not in ("auto", "flex", "sdpa", "reference"):
-        raise ValueError(f"LONGCTX_CHUNK_ATTENTION must be auto, flex, sdpa or reference, not {choice!r}")
+    if choice not in ("auto", "cudnn", "flex", "sdpa", "reference"):
+        raise ValueError(f"LONGCTX_CHUNK_ATTENTION must be auto, cudnn, flex, sdpa or reference, not {choice!r}")
     return choice
 
 
-def _pick(device: torch.device, window: int | None):
+def _pick(device: torch.device, window: int | None, head_dim: int = 128):
     choice = _choice()
     if device.type != "cuda" or choice == "reference":
         return chunk_attention_reference
     if window is None and choice == "sdpa":
         return chunk_attention_sdpa
+    if window is None and choice in ("auto", "cudnn") and head_dim <= 128 and head_dim % 8 == 0:
+        return chunk_attention_cudnn
     return _flex_impl() or chunk_attention_reference
 
 
@@ -60,13 +63,13 @@ def chunk_attention(
     position p sees keys kv <= p and, with a window, kv > p - window. Returns out [B, Hq, T, D] in q's dtype.
     On CUDA with a window the cache past offset + T must hold finite values (see flex.py).
     """
-    return _pick(q.device, window)(q, k_cache, v_cache, offset, scale=scale, window=window)
+    return _pick(q.device, window, q.shape[-1])(q, k_cache, v_cache, offset, scale=scale, window=window)
 
 
-def chunk_attention_backend(device: torch.device, windows: bool = False) -> str:
+def chunk_attention_backend(device: torch.device, windows: bool = False, head_dim: int = 128) -> str:
     """Which implementations `chunk_attention` uses on `device` (for reports)."""
-    names = {chunk_attention_reference: "sdpa reference (explicit mask)",
+    names = {chunk_attention_reference: "sdpa reference (explicit mask)", chunk_attention_cudnn: "cudnn split",
              chunk_attention_sdpa: "sdpa lower-right causal", _flex_impl(): "flex attention"}
-    full = names[_pick(device, None)]
-    sliding = names[_pick(device, 512)]
+    full = names[_pick(device, None, head_dim)]
+    sliding = names[_pick(device, 512, head_dim)]
     return full if not windows or sliding == full else f"{full}; sliding-window layers: {sliding}"
