@@ -76,8 +76,8 @@ class Engine(ABC):
             self.model.set_attn_implementation(self._impl)
 
     @classmethod
-    def kv_bytes(cls, model_config, n_tokens: int, dtype_bytes: int) -> int:
-        """Bytes of KV cache for a document of n_tokens (prompt + answer), over all devices."""
+    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int) -> int:
+        """Bytes of engine state (here the KV cache) for n_tokens (prompt + answer), summed over devices."""
         text = model_config.get_text_config(decoder=True)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * n_tokens * dtype_bytes
@@ -88,7 +88,7 @@ class Engine(ABC):
         text = model_config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         window = getattr(text, "sliding_window", None) or n_tokens
-        per_token_layer = cls.kv_bytes(model_config, 1, dtype_bytes) // text.num_hidden_layers
+        per_token_layer = cls.memory_plan(model_config, 1, dtype_bytes) // text.num_hidden_layers
         return sum(per_token_layer * (min(window, n_tokens) if t == "sliding_attention" else n_tokens)
                    for t in types)
 
@@ -156,7 +156,8 @@ class Engine(ABC):
     def _decode_step(self, state: DocumentState, sampler: Sampler) -> DecodeStep:
         if state.decode is None or state.decode.sampler != sampler:
             use_graph = self.run.decode_graph and self.single_device
-            state.decode = DecodeStep(lambda ids, pos: self._forward(state.cache, ids, pos), state.cache, sampler,
+            cache = state.cache  # not `state`: a state -> step -> state cycle would keep GiBs alive until gc
+            state.decode = DecodeStep(lambda ids, pos: self._forward(cache, ids, pos), cache, sampler,
                                       self.device, use_graph)
         return state.decode
 
