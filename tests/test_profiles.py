@@ -66,7 +66,7 @@ def test_defaults_then_profile_then_overrides(tmp_path):
     assert p.source.endswith("p.yaml")
     assert p.run.chunk_size == 1024 and p.run.max_new_tokens == 64 and p.run.dtype == "auto"
     assert p.run.temperature == 1.0 and isinstance(p.run.temperature, float)
-    assert p.run.stop == ["\n\n", "\nQuestion:"] and p.run.decode_graph is True
+    assert p.run.stop == ["\n\n", "\nQuestion:", "\nAnswer:"] and p.run.decode_graph is True
     assert p.engine_config == SparseConfig(block_size=32, keep_ratio=0.1)
 
     p = _resolve(tmp_path, "engine: sparse\nblock_size: 32\nchunk_size: 1024\n",
