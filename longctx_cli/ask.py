@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from engines import ENGINES
@@ -156,12 +157,17 @@ def run_ask(opts: AskOptions) -> int:
             raise
         except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
             raise _oom_error(exc, session) from None
+        except RuntimeError as exc:
+            # The CPU allocator reports exhaustion as a plain RuntimeError.
+            if "can't allocate memory" in str(exc) or "out of memory" in str(exc).lower():
+                raise _oom_error(exc, session) from None
+            raise
         except (InputError, ContextTooLongError) as exc:
             if len(groups) == 1:
                 raise
             failures += 1
             report.stopped, report.error = "error", str(exc)
-            err.print(f"[red]error:[/] {exc}")
+            err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             if not opts.json:
                 sys.stdout.write("\n")
         _emit(report, opts)

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from longctx_cli import __version__
 from longctx_cli.errors import EXIT_INTERRUPTED, ConfigError, LongctxError
@@ -152,11 +153,14 @@ def profiles_show(name: Annotated[str, typer.Argument(help="Profile name or YAML
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        # Without standalone mode, click returns a command's `typer.Exit(code)` instead of raising it.
+        code = app(standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
     except LongctxError as exc:
         if DEBUG["on"]:
             err.print_exception()
-        err.print(f"[red]error:[/] {exc}", highlight=False)
+        # One line whatever the terminal width; the message is text, not rich markup (paths may hold "[...]").
+        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.stdout.flush()
@@ -167,9 +171,10 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - the CLI boundary
         import click
 
-        if isinstance(exc, click.exceptions.Abort):
+        # Newer Typer vendors click: its usage errors are typer.TyperException, not click.ClickException.
+        if isinstance(exc, (click.exceptions.Abort, typer.Abort)):
             sys.exit(EXIT_INTERRUPTED)
-        if isinstance(exc, click.ClickException):
+        if isinstance(exc, (click.ClickException, typer.TyperException)):
             exc.show()
             sys.exit(exc.exit_code)
         if DEBUG["on"]:

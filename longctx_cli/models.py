@@ -152,10 +152,14 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
 
 
-@functools.lru_cache(maxsize=4)
 def load_tokenizer(spec: str | None, progress=lambda msg: None):
     """The tokenizer alone (fast): lets the CLI count tokens before loading weights. Memoised per process."""
-    folder = resolve_model_dir(spec, progress)
+    return _tokenizer_from(resolve_model_dir(spec, progress))
+
+
+# Keyed by folder, not by the call's arguments: every caller passes a fresh `progress` lambda.
+@functools.lru_cache(maxsize=4)
+def _tokenizer_from(folder: Path | None):
     if folder is None:
         return byte_tokenizer()
     from transformers import AutoTokenizer

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 RANDOM_NOTE = "random weights: speed only"
@@ -97,7 +98,7 @@ def render(report: Report, console: Console | None = None) -> None:
     rows += [("host peak RSS", gib(m.get("host_peak_rss_bytes"))), ("KV cache", gib(m.get("kv_cache_bytes")))]
     rows += [(k.replace("_", " "), str(v)) for k, v in report.counters.items() if k != "kv_cache_bytes"]
     if report.error:
-        rows.append(("error", f"[red]{report.error}[/]"))
+        rows.append(("error", f"[red]{escape(report.error)}[/]"))
     for key, value in rows:
         table.add_row(key, value)
     console.print(table)
