@@ -20,7 +20,6 @@ from typing import ClassVar
 
 import torch
 from transformers.modeling_utils import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engines.cache import StaticKVCache
 from engines.decoding import DecodeStep, Sampler
@@ -39,10 +38,11 @@ class DocumentState:
     counters: dict = field(default_factory=dict)
 
 
-def _sdpa_fallback(module, query, key, value, attention_mask, **kwargs):
-    # Outside longctx's own forward calls (e.g. `model.generate` in a test) behave like stock SDPA.
-    kwargs.pop("longctx", None)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+def outside_engine_error() -> RuntimeError:
+    # transformers builds no mask for a registered attention function, so running it outside an engine's own
+    # forward (e.g. `model.generate`) would silently drop causal and sliding-window masking.
+    return RuntimeError("longctx attention called outside an engine's forward; switch the model back first: "
+                        "model.set_attn_implementation('sdpa')")
 
 
 class Engine(ABC):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines.base import Engine, _sdpa_fallback
+from engines.base import Engine, outside_engine_error
 from kernels.chunk_attention import chunk_attention, chunk_attention_backend
 from kernels.decode_attention import decode_attention, decode_backend
 
@@ -27,8 +27,7 @@ class DenseEngine(Engine):
     def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
                   **kwargs):
         if longctx is None:
-            return _sdpa_fallback(module, query, key, value, attention_mask, scaling=scaling,
-                                  sliding_window=sliding_window, **kwargs)
+            raise outside_engine_error()
         if longctx.decoding:
             out = decode_attention(query[:, :, 0], key, value, longctx.length_on(query.device), scale=scaling,
                                    window=sliding_window)

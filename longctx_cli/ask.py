@@ -124,15 +124,18 @@ def _answer_one(session: Session, name: str, docs: list[Document], layout, repor
         report.memory = memory_snapshot(state.cache.nbytes())
 
 
-def _oom_error(exc: BaseException, session: Session) -> OutOfMemoryError:
-    free = []
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            f, total = torch.cuda.mem_get_info(i)
-            free.append(f"cuda:{i} {f / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+def _oom_error(exc: BaseException, session: Session, n_tokens: int) -> OutOfMemoryError:
+    from longctx_cli.plan import estimate
+
+    try:
+        est = estimate(session.opts.profile, load_config(session.opts.model), n_tokens)
+        per_device = [f"{d} needs ~{est['need'][d] / 2**30:.1f} GiB, {est['free'][d] / 2**30:.1f} GiB free now"
+                      for d in est["need"]]
+    except Exception:  # noqa: BLE001 - the estimate is advice; the OOM is the error to report
+        per_device = []
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return OutOfMemoryError(
-        f"out of memory ({first[:160]}); {'; '.join(free) or 'host memory'}. Lower chunk_size (--chunk-size), "
+        f"out of memory ({first[:160]}); {'; '.join(per_device) or 'no estimate'}. Lower chunk_size (--chunk-size), "
         "use a sparser profile, run `longctx plan` first, or spread the model over more GPUs")
 
 
@@ -156,11 +159,11 @@ def run_ask(opts: AskOptions) -> int:
             _emit(report, opts)
             raise
         except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
-            raise _oom_error(exc, session) from None
+            raise _oom_error(exc, session, report.tokens_in) from None
         except RuntimeError as exc:
             # The CPU allocator reports exhaustion as a plain RuntimeError.
             if "can't allocate memory" in str(exc) or "out of memory" in str(exc).lower():
-                raise _oom_error(exc, session) from None
+                raise _oom_error(exc, session, report.tokens_in) from None
             raise
         except (InputError, ContextTooLongError) as exc:
             if len(groups) == 1:

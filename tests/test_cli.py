@@ -325,6 +325,7 @@ def test_ask_out_of_memory(cli, schooner_file, monkeypatch):
     assert code == 7, err
     line = _error_line(err)
     assert "out of memory" in line and "2.00 GiB" in line and "chunk_size" in line and "--chunk-size" in line
+    assert "cpu needs ~" in line and "GiB free now" in line  # needed vs free per device, from the plan
 
 
 @pytest.fixture
