@@ -28,12 +28,19 @@ def parse_count(text: str) -> int:
         raise ConfigError(f"not a token count: {text!r} (use e.g. 4096, 32k, 1m)") from None
 
 
+_PARAMETERS: dict[str, int] = {}
+
+
 def parameter_bytes(config, dtype_bytes: int) -> int:
+    """Weight bytes, counted on a meta-device instance (no memory, no weights read); memoised per config."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters()) * dtype_bytes
+    key = config.to_json_string()
+    if key not in _PARAMETERS:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        _PARAMETERS[key] = sum(p.numel() for p in model.parameters())
+    return _PARAMETERS[key] * dtype_bytes
 
 
 def activation_bytes(config, chunk: int, context: int, dtype_bytes: int, device: torch.device) -> int:
@@ -71,6 +78,15 @@ def estimate(profile, config, n_tokens: int) -> dict:
             "fits": all(need[d] <= MARGIN * free[d] for d in need)}
 
 
+def max_tokens(profile, config) -> int:
+    """The longest document (tokens) whose estimate fits the devices as they are now (0 if none)."""
+    lo, hi = 0, 1 << 26
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if estimate(profile, config, mid)["fits"] else (lo, mid - 1)
+    return lo
+
+
 def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None) -> int:
     config = load_config(model, progress=lambda m: err.print(f"[dim]{m}...[/]"))
     if tokens is not None:
@@ -101,7 +117,9 @@ def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None
                   "shorten the document or use an engine that streams past the model's context")
         verdict = 6
     if not est["fits"]:
-        err.print("[red]does not fit:[/] lower --chunk-size, use a sparser profile, or more GPUs")
+        most = max_tokens(profile, config)
+        room = f"at most ~{most:,} tokens fit now" if most else f"the weights alone ({gib(est['weights'])}) do not fit"
+        err.print(f"[red]does not fit:[/] {room}; lower --chunk-size, use a sparser profile, or more GPUs")
         verdict = verdict or 7
     if verdict == 0:
         err.print("[green]fits[/]")
