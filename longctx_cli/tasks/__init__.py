@@ -46,7 +46,8 @@ class Sample:
     answer_prefix: str  # goes after the layout's "Answer:" so that a base model answers in RULER's frame
     expected: list[str]  # strings the answer should contain
     metric: str  # a key of METRICS
-    depths: list[float]  # where the needles went (fractions of the haystack, ascending); [] for cwe, fwe
+    depths: list[float]  # needle depths, ascending: fractions of the haystack (nearest sentence or line
+    #                      boundary to that point); [] for cwe and fwe, which have no needles
     budget: int  # tokens left for the answer
     document_tokens: int
     prompt_tokens: int  # document_tokens + overhead(question, answer_prefix); length - budget when exact
@@ -74,7 +75,7 @@ def generate(task: str, length: int, n: int, tokenizer, *, seed: int = 0, depths
 
     depths (0..1, needle tasks only; cwe and fwe have no needles and ignore them): None samples them from
     RULER's 40-point grid; one value puts every needle there; otherwise one value per needle.
-    Raises ConfigError for an unknown task, bad depths, or a length too small for the task's fixed text.
+    Raises ConfigError for an unknown task, bad depths or budget, or a length too small for the task.
     """
     if task not in TASKS:
         raise ConfigError(f"unknown task {task!r}; known: {', '.join(TASKS)}")

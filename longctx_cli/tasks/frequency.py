@@ -8,7 +8,6 @@ noise "...", and asks for the next three.
 
 from __future__ import annotations
 
-import math
 import random
 import string
 from collections import Counter

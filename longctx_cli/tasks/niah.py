@@ -53,8 +53,8 @@ whistle window wizard yacht zebra""".split()
 def niah_draft(task: str, rng: random.Random, n_chars: int, depths: list[float] | None) -> Draft:
     hay_kind, kind, n_keys, n_values, n_asked = NIAH[task]
     keys = _distinct(rng, n_keys, lambda: f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}")
-    values = _distinct(rng, n_keys * n_values, lambda: _value(rng, kind))
-    values = [values[i * n_values : (i + 1) * n_values] for i in range(n_keys)]
+    drawn = _distinct(rng, n_keys * n_values, lambda: _value(rng, kind))
+    values = [drawn[i * n_values : (i + 1) * n_values] for i in range(n_keys)]
     needles = [NEEDLE.format(kind=kind, key=k, value=v) for k, vs in zip(keys, values) for v in vs]
     rng.shuffle(needles)
     depths = placement(rng, depths, len(needles))
