@@ -79,12 +79,27 @@ def measure(engine, ids: torch.Tensor, steps: int) -> dict:
 
 
 def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int, json_path: str | None,
-              argv: list[str]) -> dict:
+              argv: list[str], tasks: list[str] | None = None, samples: int = 10, seed: int = 0,
+              depths: list[float] | None = None, plot_path: str | None = None, layout: str = "auto") -> dict:
     lm = load_model(model, device=profile.run.device, dtype=profile.run.dtype,
                     progress=lambda m: err.print(f"[dim]{m}...[/]"))
     engines = [(profile, ENGINES[profile.engine](lm, profile.engine_config, profile.run))]
     if baseline is not None:
         engines.append((baseline, ENGINES[baseline.engine](lm, baseline.engine_config, baseline.run)))
+    if tasks:
+        from longctx_cli import accuracy
+
+        result = accuracy.run_accuracy(engines, lm.tokenizer, tasks=tasks, lengths=[parse_count(x) for x in
+                                       lengths.split(",")], samples=samples, seed=seed, depths=depths,
+                                       max_new_tokens=profile.run.max_new_tokens, layout=layout, stop=profile.run.stop)
+        result = {"command": " ".join(["longctx", *argv[1:]]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+                  "model": model or "gemma3-270m", "random_weights": lm.random_weights,
+                  "environment": environment(), "mode": "accuracy", **result}
+        accuracy.render(result, f"accuracy: {result['model']}" + (f" ({RANDOM_NOTE})" if lm.random_weights else ""))
+        if plot_path:
+            accuracy.plot(result, plot_path)
+        _write(result, json_path)
+        return result
     on_gpu = engines[0][1].device.type == "cuda"
     bandwidth = copy_bandwidth(engines[0][1].device) if on_gpu else None
     vocab = lm.config.vocab_size
@@ -109,12 +124,16 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
     if lm.random_weights:
         result["note"] = RANDOM_NOTE
     _table(result)
+    _write(result, json_path)
+    return result
+
+
+def _write(result: dict, json_path: str | None) -> None:
     if json_path == "-":
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
     elif json_path:
         with open(json_path, "w") as fh:
             json.dump(result, fh, indent=1)
-    return result
 
 
 def _table(result: dict) -> None:

@@ -103,14 +103,40 @@ def bench(
     chunk_size: ChunkOpt = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the results as JSON to this file (- = stdout).")]
     = None,
+    tasks: Annotated[Optional[str], typer.Option(
+        help="Accuracy mode: RULER-style tasks, comma-separated (niah_single_1..3, niah_multikey, niah_multivalue, "
+             "niah_multiquery, vt, cwe, fwe, or 'all').")] = None,
+    samples: Annotated[int, typer.Option(help="Accuracy mode: samples per task and length.")] = 10,
+    seed: Annotated[int, typer.Option(help="Accuracy mode: sample seed.")] = 0,
+    depths: Annotated[Optional[str], typer.Option(help="Accuracy mode: needle depths 0..1, comma-separated.")] = None,
+    plot: Annotated[Optional[str], typer.Option(help="Accuracy mode: write charts to this PNG/PDF (matplotlib).")]
+    = None,
+    max_new_tokens: MaxNewOpt = None,
+    layout: Annotated[str, typer.Option(help="auto, chat (template) or plain (Question:/Answer:).")] = "auto",
 ):
-    """Speed of a profile's engine next to the dense baseline on synthetic contexts."""
+    """Speed (synthetic contexts) or, with --tasks, accuracy of a profile's engine next to the dense baseline."""
     from longctx_cli.bench import run_bench
+    from longctx_cli.tasks import TASKS
 
-    prof = _profile(profile, sets, device=device, dtype=dtype, chunk_size=chunk_size)
-    base = None if compare in (None, "none", "") or compare == profile else _profile(compare, sets, device=device,
-                                                                                   dtype=dtype, chunk_size=chunk_size)
-    run_bench(prof, base, model=model, lengths=lengths, steps=steps, json_path=json_out, argv=sys.argv)
+    task_list = None
+    if tasks:
+        task_list = list(TASKS) if tasks == "all" else [t.strip() for t in tasks.split(",") if t.strip()]
+        unknown = [t for t in task_list if t not in TASKS]
+        if unknown:
+            raise ConfigError(f"unknown task {unknown[0]!r}; choose from: {', '.join(TASKS)} (or all)")
+    if plot:
+        from longctx_cli.accuracy import pyplot
+
+        pyplot()
+    try:
+        depth_list = [float(d) for d in depths.split(",")] if depths else None
+    except ValueError:
+        raise ConfigError(f"--depths takes numbers between 0 and 1, comma-separated, not {depths!r}") from None
+    prof = _profile(profile, sets, device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
+    base = None if compare in (None, "none", "") or compare == profile else _profile(
+        compare, sets, device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
+    run_bench(prof, base, model=model, lengths=lengths, steps=steps, json_path=json_out, argv=sys.argv,
+              tasks=task_list, samples=samples, seed=seed, depths=depth_list, plot_path=plot, layout=layout)
 
 
 @app.command()

@@ -1,0 +1,167 @@
+"""`longctx bench --tasks ...`: RULER-style accuracy of an engine next to dense, on the same samples.
+
+Every sample is generated once (token-exact length, seeded) and run through each engine with greedy decoding;
+the answer is the text up to the first stop string (base models) or end-of-turn (chat models), scored as RULER
+does. Rows: task x length with both engines' mean scores (0-100), their ratio, and their speed on the way.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from engines.decoding import Sampler
+from longctx_cli.prompt import AnswerText, build_layout
+from longctx_cli.tasks import ANSWER_BUDGET, base_overhead, generate, prompt_tail, score
+
+err = Console(stderr=True)
+
+
+def _ids(tokenizer, text: str) -> torch.Tensor:
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+class PromptBuilder:
+    """Token ids of a sample's prompt in the model's layout, and the matching length overhead for generate()."""
+
+    def __init__(self, tokenizer, layout: str, stop: list[str]):
+        self.tokenizer = tokenizer
+        probe = build_layout(tokenizer, "?", stop, layout=layout)
+        self.chat, self.stop_strings, self.stop_ids = probe.chat, probe.stop_strings, probe.stop_ids
+        self.prefix = probe.prefix_ids
+
+    def tail(self, question: str, answer_prefix: str) -> torch.Tensor:
+        if not self.chat:
+            return _ids(self.tokenizer, prompt_tail(question, answer_prefix))
+        layout = build_layout(self.tokenizer, question, [], layout="chat")
+        return torch.cat([layout.question_ids, _ids(self.tokenizer, answer_prefix)])
+
+    def overhead(self):
+        if not self.chat:
+            return base_overhead(self.tokenizer)
+        return lambda question, prefix: self.prefix.numel() + self.tail(question, prefix).numel()
+
+
+def _run(engine, builder: PromptBuilder, sample, budget: int) -> dict:
+    doc = torch.cat([builder.prefix, _ids(builder.tokenizer, sample.document)])
+    tail = builder.tail(sample.question, sample.answer_prefix)
+    state = engine.prefill(doc, reserve=tail.numel() + budget)
+    text = AnswerText(builder.tokenizer, builder.stop_strings, builder.stop_ids)
+    stream = engine.answer(state, tail, budget, Sampler())
+    steps, last = [], time.perf_counter()
+    try:
+        for token in stream:
+            now = time.perf_counter()
+            steps.append(now - last)
+            last = now
+            text.feed(token)
+            if text.done:
+                break
+    finally:
+        stream.close()
+    return {"answer": text.text.strip(), "score": 100 * score(sample, text.text), "prefill_s": state.prefill_s,
+            "decode_ms_per_token": 1000 * statistics.median(steps[1:]) if len(steps) > 1 else None,
+            "prompt_tokens": doc.numel() + tail.numel(), "counters": engine.counters(state)}
+
+
+def run_accuracy(engines: list, tokenizer, *, tasks: list[str], lengths: list[int], samples: int, seed: int,
+                 depths: list[float] | None, max_new_tokens: int, layout: str, stop: list[str]) -> dict:
+    """engines: [(profile, engine)], the compared engine first and the baseline (dense) last."""
+    builder = PromptBuilder(tokenizer, layout, stop)
+    records, rows = [], []
+    total = len(tasks) * len(lengths) * samples * len(engines)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=err, transient=True) as bar:
+        job = bar.add_task("accuracy", total=total)
+        for task in tasks:
+            budget = min(ANSWER_BUDGET[task], max_new_tokens)
+            for length in lengths:
+                batch = generate(task, length, samples, tokenizer, seed=seed, depths=depths, budget=budget,
+                                 overhead=builder.overhead())
+                per_engine = {prof.name: [] for prof, _ in engines}
+                for sample in batch:
+                    record = {"task": task, "length": length, "index": sample.index, "seed": seed,
+                              "prompt_hash": sample.prompt_hash, "depths": sample.depths,
+                              "expected": sample.expected, "results": {}}
+                    for prof, engine in engines:
+                        bar.update(job, description=f"{task} {length:,} #{sample.index} {prof.name}")
+                        result = _run(engine, builder, sample, budget)
+                        record["results"][prof.name] = result
+                        per_engine[prof.name].append(result)
+                        bar.advance(job)
+                    records.append(record)
+                rows.append(_row(task, length, engines, per_engine))
+    return {"rows": rows, "samples": records}
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _row(task: str, length: int, engines: list, per_engine: dict) -> dict:
+    (prof, _), (base, _) = engines[0], engines[-1]
+    mine, dense = per_engine[prof.name], per_engine[base.name]
+    row = {"task": task, "length": length, "engine": prof.engine, "profile": prof.name, "samples": len(mine),
+           "score": _mean([r["score"] for r in mine]), "dense_score": _mean([r["score"] for r in dense]),
+           "prefill_s": _mean([r["prefill_s"] for r in mine]),
+           "decode_ms_per_token": _mean([r["decode_ms_per_token"] for r in mine]),
+           "dense_prefill_s": _mean([r["prefill_s"] for r in dense]),
+           "dense_decode_ms_per_token": _mean([r["decode_ms_per_token"] for r in dense])}
+    row["ratio"] = row["score"] / row["dense_score"] if row["dense_score"] else None
+    return row
+
+
+def render(result: dict, title: str) -> None:
+    table = Table(title=title, title_justify="left")
+    for col in ("task", "length", "score", "dense", "ratio", "prefill s", "dense prefill s", "ms/tok", "dense ms/tok"):
+        table.add_column(col, justify="right")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in result["rows"]:
+        table.add_row(r["task"], f"{r['length']:,}", fmt(r["score"], ".1f"), fmt(r["dense_score"], ".1f"),
+                      fmt(r["ratio"], ".2f"), fmt(r["prefill_s"], ".2f"), fmt(r["dense_prefill_s"], ".2f"),
+                      fmt(r["decode_ms_per_token"], ".1f"), fmt(r["dense_decode_ms_per_token"], ".1f"))
+    means = [r["score"] for r in result["rows"]], [r["dense_score"] for r in result["rows"]]
+    table.add_row("mean", "", fmt(_mean(means[0]), ".1f"), fmt(_mean(means[1]), ".1f"), "", "", "", "", "")
+    err.print(table)
+
+
+def pyplot():
+    """matplotlib.pyplot on a file backend, or a ConfigError saying how to install it (checked before a run)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from longctx_cli.errors import ConfigError
+
+        raise ConfigError("--plot needs matplotlib: pip install 'longctx[plot]'") from None
+    return plt
+
+
+def plot(result: dict, path: str) -> None:
+    """Accuracy-vs-length (per task, engine and dense) and decode-ms-vs-length charts in one PNG/PDF."""
+    plt = pyplot()
+    rows = result["rows"]
+    fig, (acc, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for task in dict.fromkeys(r["task"] for r in rows):
+        mine = [r for r in rows if r["task"] == task]
+        lengths = [r["length"] for r in mine]
+        line, = acc.plot(lengths, [r["score"] for r in mine], marker="o", label=f"{task} ({mine[0]['engine']})")
+        acc.plot(lengths, [r["dense_score"] for r in mine], ls="--", color=line.get_color(), label=f"{task} (dense)")
+    by_length = sorted({r["length"] for r in rows})
+    for key, label in (("decode_ms_per_token", rows[0]["engine"]), ("dense_decode_ms_per_token", "dense")):
+        speed.plot(by_length, [_mean([r[key] for r in rows if r["length"] == n]) for n in by_length], marker="o",
+                   label=label)
+    acc.set(xscale="log", xlabel="context tokens", ylabel="score (0-100)", title="accuracy vs length")
+    speed.set(xscale="log", xlabel="context tokens", ylabel="ms / token", title="decode vs length")
+    acc.legend(fontsize=7)
+    speed.legend()
+    fig.tight_layout()
+    fig.savefig(path)
