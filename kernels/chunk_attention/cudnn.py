@@ -16,6 +16,8 @@ import functools
 
 import torch
 
+from kernels.chunk_attention.reference import check_chunk
+
 
 def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, T, D]; k, v: [B, Hkv, L, D] -> (out [B, Hq, T, D], lse [B, Hq, T] fp32)."""
@@ -59,9 +61,7 @@ def chunk_attention_cudnn(
     """
     if window is not None:
         raise ValueError("chunk_attention_cudnn has no sliding window; use the flex path for windowed layers")
-    T, end = q.shape[2], offset + q.shape[2]
-    if offset < 0 or end > k_cache.shape[2]:
-        raise ValueError(f"expected 0 <= offset and offset + T <= S, got offset {offset}, T {T}, S {k_cache.shape[2]}")
+    end = check_chunk(q, k_cache, offset)
     if k_cache.shape[1] != q.shape[1] and not _native_gqa(q, k_cache, v_cache):
         group = q.shape[1] // k_cache.shape[1]
         k_cache = k_cache[:, :, :end].repeat_interleave(group, dim=1)

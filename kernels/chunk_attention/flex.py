@@ -19,6 +19,8 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from kernels.chunk_attention.reference import check_chunk
+
 # Sparse block size of the mask (queries x keys); the kernel's own tiles must divide it.
 BLOCK = 128
 
@@ -88,8 +90,7 @@ def chunk_attention_flex(
     """
     B, Hq, T, D = q.shape
     S = k_cache.shape[2]
-    if offset < 0 or offset + T > S:
-        raise ValueError(f"expected 0 <= offset and offset + T <= S, got offset {offset}, T {T}, S {S}")
+    check_chunk(q, k_cache, offset)
     block_mask = block_mask_for(T, S, offset, window, q.device)
     return _compiled_flex()(
         q, k_cache, v_cache, block_mask=block_mask, scale=scale, enable_gqa=Hq != k_cache.shape[1]

@@ -10,6 +10,15 @@ import torch
 import torch.nn.functional as F
 
 
+def check_chunk(q: torch.Tensor, k_cache: torch.Tensor, offset: int) -> int:
+    """Validates the chunk's place in the cache for every implementation; returns offset + T."""
+    end = offset + q.shape[2]
+    if offset < 0 or end > k_cache.shape[2]:
+        raise ValueError(f"expected 0 <= offset and offset + T <= S, got offset {offset}, T {q.shape[2]}, "
+                         f"S {k_cache.shape[2]}")
+    return end
+
+
 def chunk_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -28,10 +37,7 @@ def chunk_attention(
 
     Memory: the mask is [T, offset + T] bool (or [T, window + T] with a window), fine for T <= 4096.
     """
-    T = q.shape[2]
-    end = offset + T
-    if end > k_cache.shape[2]:
-        raise ValueError(f"expected offset + T <= S, got {offset} + {T} > {k_cache.shape[2]}")
+    end = check_chunk(q, k_cache, offset)
     # With a window the first query (position offset) sees nothing below offset - window + 1.
     start = 0 if window is None else max(0, offset - window + 1)
     k = k_cache[:, :, start:end]

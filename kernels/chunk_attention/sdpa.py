@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels.chunk_attention.reference import check_chunk
+
 
 def chunk_attention_sdpa(
     q: torch.Tensor,
@@ -28,9 +30,7 @@ def chunk_attention_sdpa(
     """
     if window is not None:
         raise ValueError("chunk_attention_sdpa has no sliding window; use the flex path for windowed layers")
-    T, end = q.shape[2], offset + q.shape[2]
-    if offset < 0 or end > k_cache.shape[2]:
-        raise ValueError(f"expected 0 <= offset and offset + T <= S, got offset {offset}, T {T}, S {k_cache.shape[2]}")
+    T, end = q.shape[2], check_chunk(q, k_cache, offset)
     k, v = k_cache[:, :, :end], v_cache[:, :, :end]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, end), scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
