@@ -174,7 +174,13 @@ def profiles_show(name: Annotated[str, typer.Argument(help="Profile name or YAML
     """Print a profile's resolved settings (defaults < profile < --set)."""
     import yaml
 
-    print(yaml.safe_dump(_profile(name, sets).as_dict(), sort_keys=False), end="")
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    # Stop strings hold newlines: print them escaped ("\n\n"), not as folded multi-line scalars.
+    Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s,
+                                                                style='"' if "\n" in s else None))
+    print(yaml.dump(_profile(name, sets).as_dict(), Dumper=Dumper, sort_keys=False), end="")
 
 
 def main() -> None:
