@@ -119,7 +119,8 @@ def _row(task: str, length: int, engines: list, per_engine: dict) -> dict:
 
 def render(result: dict, title: str) -> None:
     table = Table(title=title, title_justify="left")
-    for col in ("task", "length", "score", "dense", "ratio", "prefill s", "dense prefill s", "ms/tok", "dense ms/tok"):
+    table.add_column("task", no_wrap=True, min_width=15)
+    for col in ("length", "score", "dense", "ratio", "prefill s", "dense prefill", "ms/tok", "dense ms/tok"):
         table.add_column(col, justify="right")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in result["rows"]:
