@@ -1,7 +1,9 @@
-"""decode_attention: one new query token per sequence against a static, preallocated KV cache.
+"""decode_attention: the newest token (or few tokens) of a sequence against a static, preallocated KV cache.
 
 CUDA tensors go to the split-KV Triton kernel (CUDA-graph capturable); everything else, or a machine without
-Triton, goes to the pure-torch reference. `merge_partials` combines results over key shards by log-sum-exp.
+Triton, goes to the pure-torch reference. A few queries at once (T > 1) is the dense re-encoding step of
+engines that rewrite their newest K/V (resa's rectification). `merge_partials` combines results over key
+shards by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import functools
 import torch
 
 from kernels.decode_attention.reference import decode_attention as decode_attention_reference
-from kernels.decode_attention.reference import merge_partials
+from kernels.lse_combine import merge_partials
 
 __all__ = ["decode_attention", "decode_attention_reference", "decode_backend", "merge_partials"]
 
@@ -36,12 +38,12 @@ def decode_attention(
     window: int | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention of the token at position length-1 over its valid keys.
+    """Causal attention of the tokens at positions length-T .. length-1 over their valid keys.
 
-    q: [B, Hq, D]; k_cache, v_cache: [B, Hkv, S, D] (Hq % Hkv == 0); length: [B] int64 on q's device,
-    1 <= length <= S; keys at index >= length are never read into the result. window: None for all valid
-    keys, else only keys with index > length - 1 - window. Returns out [B, Hq, D] in q's dtype, plus
-    lse [B, Hq] fp32 (natural log) with return_lse.
+    q: [B, Hq, D] (one token) or [B, Hq, T, D]; k_cache, v_cache: [B, Hkv, S, D] (Hq % Hkv == 0); length: [B]
+    int64 on q's device, T <= length <= S; keys at index >= length are never read into the result. window:
+    None for all earlier keys, else only keys with index > position - window. Returns out shaped like q in
+    q's dtype, plus lse ([B, Hq] or [B, Hq, T]) fp32 (natural log) with return_lse.
     """
     impl = _triton_impl() if q.is_cuda else None
     impl = impl or decode_attention_reference

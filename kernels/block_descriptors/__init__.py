@@ -1,0 +1,37 @@
+"""block_descriptors: per KV head and per block of `block_size` keys, the element-wise max and min of the keys.
+
+They are kept up to date incrementally: after new keys are written at [length - n_new, length), only the
+blocks those positions touch are recomputed (one block per decode step; a chunk's worth in prefill). Quest's
+upper bound on q.k over a block is computed from them (kernels/block_select). Triton on CUDA (CUDA-graph safe:
+`length` stays on the device), the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.block_descriptors.reference import update_block_descriptors as update_block_descriptors_reference
+
+__all__ = ["update_block_descriptors", "update_block_descriptors_reference"]
+
+
+@functools.cache
+def _triton_impl():
+    try:
+        from kernels.block_descriptors.triton import update_block_descriptors_triton
+    except ImportError:
+        return None
+    return update_block_descriptors_triton
+
+
+def update_block_descriptors(keys: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor,
+                             n_new: int, block_size: int) -> None:
+    """Recompute, in place, the descriptors of the blocks that keys [length - n_new, length) fall in.
+
+    keys: [B, Hkv, S, D]; kmax, kmin: [B, Hkv, ceil(S / block_size), D] in keys' dtype; length: [B] int64
+    (valid keys after the write, on keys' device); 1 <= n_new <= length. Keys at index >= length are ignored.
+    """
+    impl = (_triton_impl() if keys.is_cuda else None) or update_block_descriptors_reference
+    impl(keys, kmax, kmin, length, n_new, block_size)

@@ -1,0 +1,21 @@
+"""Reference block-descriptor update in plain PyTorch (reads `length` on the host; CPU path and test oracle)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def update_block_descriptors(keys: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor,
+                             n_new: int, block_size: int) -> None:
+    """keys: [B, Hkv, S, D]; kmax, kmin: [B, Hkv, NB, D]; length: [B]. See kernels.block_descriptors."""
+    B, H, _, D = keys.shape
+    for b, end in enumerate(length.tolist()):
+        lo = (end - n_new) // block_size
+        hi = -(-end // block_size)
+        seg = keys[b, :, lo * block_size:end]  # [H, n, D]
+        pad = (hi - lo) * block_size - seg.shape[1]
+        # The last block may be partly filled: pad it so that the padding never wins the max or the min.
+        top = torch.cat([seg, seg.new_full((H, pad, D), float("-inf"))], dim=1)
+        bottom = torch.cat([seg, seg.new_full((H, pad, D), float("inf"))], dim=1)
+        kmax[b, :, lo:hi] = top.view(H, hi - lo, block_size, D).amax(dim=2)
+        kmin[b, :, lo:hi] = bottom.view(H, hi - lo, block_size, D).amin(dim=2)

@@ -1,0 +1,38 @@
+"""block_select: which key blocks one decode query reads (Quest scores, GQA-shared, dynamic top-k).
+
+Per KV head, the query heads of its GQA group are averaged into one query q, and every block i gets Quest's
+upper bound on q.k over the block, sum_d max(q_d * kmax_id, q_d * kmin_id). The last `local_blocks` blocks
+are always kept, and k = max(ceil(n_blocks * keep_ratio), min(n_blocks, min_blocks)) blocks are kept in all.
+The result has a fixed width (static shapes: the k of the cache's capacity), holds the kept block indices in
+ascending order and is padded with -1. Triton on CUDA (no host sync, CUDA-graph safe), the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.block_select.reference import KeepRule, block_scores
+from kernels.block_select.reference import select_blocks as select_blocks_reference
+
+__all__ = ["KeepRule", "block_scores", "select_blocks", "select_blocks_reference"]
+
+
+@functools.cache
+def _triton_impl():
+    try:
+        from kernels.block_select.triton import select_blocks_triton
+    except ImportError:
+        return None
+    return select_blocks_triton
+
+
+def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
+                  block_size: int, rule: KeepRule, width: int) -> torch.Tensor:
+    """q: [B, Hq, D]; kmax, kmin: [B, Hkv, NB, D]; length: [B] int64 (valid keys, the new one included).
+
+    Returns block indices [B, Hkv, width] int32: the kept blocks ascending, then -1. width >= rule.keep(NB).
+    """
+    impl = (_triton_impl() if q.is_cuda else None) or select_blocks_reference
+    return impl(q, kmax, kmin, length, block_size=block_size, rule=rule, width=width)

@@ -1,0 +1,58 @@
+"""Reference block scoring and top-k selection in plain PyTorch (reads the block count on the host)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+
+@dataclass(frozen=True)
+class KeepRule:
+    """How many blocks a query keeps: k = max(ceil(n * keep_ratio), min(n, min_blocks)), local ones included.
+
+    keep_ratio is held as an exact fraction so that the host, the reference and the kernel agree on k.
+    """
+
+    keep_ratio: float
+    min_blocks: int
+    local_blocks: int
+
+    @property
+    def ratio(self) -> tuple[int, int]:
+        f = Fraction(self.keep_ratio).limit_denominator(1_000_000)
+        return f.numerator, f.denominator
+
+    def keep(self, n_blocks: int) -> int:
+        num, den = self.ratio
+        return max(-(-n_blocks * num // den), min(n_blocks, self.min_blocks))
+
+
+def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
+                 block_size: int, local_blocks: int) -> torch.Tensor:
+    """Scores [B, Hkv, NB] fp32: Quest's bound for blocks before the local ones, +inf local, -inf past the end."""
+    B, Hq, D = q.shape
+    Hkv, NB = kmax.shape[1], kmax.shape[2]
+    qbar = q.float().view(B, Hkv, Hq // Hkv, D).mean(dim=2)[:, :, None, :]  # [B, Hkv, 1, D]
+    s = torch.maximum(qbar * kmax.float(), qbar * kmin.float()).sum(dim=-1)  # [B, Hkv, NB]
+    n_blocks = (length + block_size - 1) // block_size  # [B]
+    idx = torch.arange(NB, device=q.device)
+    local = (idx >= (n_blocks - local_blocks)[:, None]) & (idx < n_blocks[:, None])  # [B, NB]
+    s = torch.where(local[:, None], float("inf"), s)
+    return s.masked_fill(~(idx < n_blocks[:, None])[:, None], float("-inf"))
+
+
+def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
+                  block_size: int, rule: KeepRule, width: int) -> torch.Tensor:
+    """See kernels.block_select.select_blocks. Ties are broken by torch.topk (the kernel: lowest index)."""
+    B, Hkv = kmax.shape[:2]
+    scores = block_scores(q, kmax, kmin, length, block_size=block_size, local_blocks=rule.local_blocks)
+    out = torch.full((B, Hkv, width), -1, dtype=torch.int32, device=q.device)
+    for b, n in enumerate(length.tolist()):
+        k = rule.keep(-(-n // block_size))
+        if k > width:
+            raise ValueError(f"{k} blocks to keep do not fit the selection width {width}")
+        top = torch.topk(scores[b], k, dim=-1).indices.sort(dim=-1).values  # [Hkv, k]
+        out[b, :, :k] = top.to(torch.int32)
+    return out

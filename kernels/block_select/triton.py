@@ -1,0 +1,139 @@
+"""Triton block scoring and top-k selection: two launches, no host synchronisation.
+
+1. `_block_scores_kernel`, one program per (batch, kv head, tile of blocks): the group-averaged query against
+   the tile's max/min descriptors. Blocks past the end are not read.
+2. `_block_topk_kernel`, one program per (batch, kv head): finds the k-th largest score exactly by a 32-step
+   binary search over the scores' order-preserving integer keys (k is computed on the device from `length`),
+   then writes the blocks scoring above it, plus as many ties as needed (lowest index first), in ascending
+   order, and pads with -1. The scores of one head (n_blocks fp32) stay in L2 for the 34 passes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton_common import check_device, launch_context
+from kernels.block_select.reference import KeepRule
+
+_SCORE_TILE = 64  # blocks per scoring program
+_SELECT_TILE = 2048  # scores per pass step of the selection program
+
+
+@triton.jit
+def _block_scores_kernel(
+    Q, Kmax, Kmin, Length, Scores, n_kv_heads, n_q_heads, n_blocks_cap, local_blocks,
+    stride_qb, stride_qh, stride_db, stride_dh, stride_dn,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // n_kv_heads).to(tl.int64)
+    h = (pid_bh % n_kv_heads).to(tl.int64)
+    length = tl.load(Length + b).to(tl.int64)
+    n_blocks = tl.cdiv(length, BLOCK)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + (h * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=offs_g[:, None] < GROUP, other=0.0).to(tl.float32)
+    qbar = tl.sum(q, 0) / GROUP  # [HEAD_DIM]
+    offs = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    scored = offs < n_blocks - local_blocks
+    base = b * stride_db + h * stride_dh + offs[:, None] * stride_dn + offs_d[None, :]
+    top = tl.load(Kmax + base, mask=scored[:, None], other=0.0).to(tl.float32)
+    bottom = tl.load(Kmin + base, mask=scored[:, None], other=0.0).to(tl.float32)
+    s = tl.sum(tl.maximum(qbar[None, :] * top, qbar[None, :] * bottom), 1)
+    s = tl.where(scored, s, tl.where(offs < n_blocks, float("inf"), float("-inf")))
+    tl.store(Scores + pid_bh.to(tl.int64) * n_blocks_cap + offs, s, mask=offs < n_blocks_cap)
+
+
+@triton.jit
+def _order_key(s):
+    """fp32 -> int64 in [0, 2^32) with the same order (flip the magnitude bits of negatives)."""
+    u = s.to(tl.int32, bitcast=True)
+    return (u ^ ((u >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _count_at_least(Row, n, thr, TILE: tl.constexpr):
+    count = tl.zeros([], dtype=tl.int64)
+    for t in range(0, n, TILE):
+        offs = t + tl.arange(0, TILE)
+        key = _order_key(tl.load(Row + offs, mask=offs < n, other=float("-inf")))
+        count += tl.sum(((key >= thr) & (offs < n)).to(tl.int64), 0)
+    return count
+
+
+@triton.jit
+def _block_topk_kernel(
+    Scores, Length, Out, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
+    BLOCK: tl.constexpr, TILE: tl.constexpr,
+):
+    pid_bh = tl.program_id(0).to(tl.int64)
+    b = pid_bh // n_kv_heads
+    length = tl.load(Length + b).to(tl.int64)
+    n_blocks = tl.cdiv(length, BLOCK)
+    k = tl.maximum(tl.cdiv(n_blocks * ratio_num, ratio_den), tl.minimum(n_blocks, min_blocks))
+    row = Scores + pid_bh * n_blocks_cap
+    # Invariant: count(key >= lo) >= k > count(key >= hi); after 32 halvings lo is the k-th largest key.
+    lo = tl.zeros([], dtype=tl.int64)
+    hi = lo + 4294967296
+    for _ in range(32):
+        mid = (lo + hi) // 2
+        enough = _count_at_least(row, n_blocks, mid, TILE) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    ties_wanted = k - _count_at_least(row, n_blocks, lo + 1, TILE)
+    out_row = Out + pid_bh * width
+    n_sel = tl.zeros([], dtype=tl.int64)
+    n_eq = tl.zeros([], dtype=tl.int64)
+    for t in range(0, n_blocks, TILE):
+        offs = t + tl.arange(0, TILE)
+        inside = offs < n_blocks
+        key = _order_key(tl.load(row + offs, mask=inside, other=float("-inf")))
+        eq = (key == lo) & inside
+        take = ((key > lo) & inside) | (eq & (n_eq + tl.cumsum(eq.to(tl.int64), 0) <= ties_wanted))
+        slot = n_sel + tl.cumsum(take.to(tl.int64), 0) - 1
+        tl.store(out_row + slot, offs.to(tl.int32), mask=take)
+        n_sel += tl.sum(take.to(tl.int64), 0)
+        n_eq += tl.sum(eq.to(tl.int64), 0)
+    for t in range(0, width, TILE):
+        offs = t + tl.arange(0, TILE)
+        tl.store(out_row + offs, tl.full([TILE], -1, tl.int32), mask=(offs >= k) & (offs < width))
+
+
+def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
+                         block_size: int, rule: KeepRule, width: int) -> torch.Tensor:
+    """Same contract as reference.select_blocks; CUDA-graph capturable."""
+    if q.dim() != 3:
+        raise ValueError(f"expected q of shape [B, Hq, D], got {tuple(q.shape)}")
+    B, Hq, D = q.shape
+    if kmax.dim() != 4 or kmax.shape[0] != B or kmax.shape[3] != D or Hq % kmax.shape[1]:
+        raise ValueError(f"expected kmax of shape [{B}, Hkv, NB, {D}] with Hq % Hkv == 0, got {tuple(kmax.shape)}")
+    if kmin.shape != kmax.shape or kmin.stride() != kmax.stride():
+        raise ValueError(f"expected kmin shaped and strided like kmax {tuple(kmax.shape)}, got {tuple(kmin.shape)}")
+    Hkv, NB = kmax.shape[1], kmax.shape[2]
+    if length.shape != (B,):
+        raise ValueError(f"expected length of shape [{B}], got {tuple(length.shape)}")
+    if width < rule.keep(NB):
+        raise ValueError(f"expected width >= {rule.keep(NB)} (the blocks kept at capacity), got {width}")
+    if D & (D - 1) or block_size & (block_size - 1):
+        raise ValueError(f"expected head_dim and block_size powers of two, got {D} and {block_size}")
+    for name, t in (("q", q), ("kmax", kmax), ("kmin", kmin), ("length", length)):
+        check_device(name, t, q.device)
+    group = Hq // Hkv
+    scores = torch.empty(B, Hkv, NB, device=q.device, dtype=torch.float32)
+    out = torch.empty(B, Hkv, width, device=q.device, dtype=torch.int32)
+    num, den = rule.ratio
+    with launch_context(q.device):
+        _block_scores_kernel[(B * Hkv, triton.cdiv(NB, _SCORE_TILE))](
+            q, kmax, kmin, length, scores, Hkv, Hq, NB, rule.local_blocks,
+            q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2),
+            GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
+            TILE=_SCORE_TILE, num_warps=4,
+        )
+        _block_topk_kernel[(B * Hkv,)](
+            scores, length, out, NB, width, num, den, rule.min_blocks, Hkv,
+            BLOCK=block_size, TILE=_SELECT_TILE, num_warps=8,
+        )
+    return out

@@ -1,0 +1,62 @@
+"""Triton merge of split-KV partials: one program per (row, D tile), a loop over the splits."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton_common import check_device, launch_context
+
+
+@triton.jit
+def _lse_combine_kernel(
+    Out_part, Lse_part, Out, Lse, num_splits,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(Lse_part + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse - m), 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs = s0 + tl.arange(0, BLOCK_S)
+        mask = offs < num_splits
+        # exp(-inf - m) = 0: empty splits (out 0, lse -inf) weigh nothing.
+        w = tl.exp(tl.load(Lse_part + row * num_splits + offs, mask=mask, other=float("-inf")) - m)
+        o = tl.load(Out_part + (row * num_splits + offs)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+    has = total > 0
+    out = tl.where(has, acc / tl.where(has, total, 1.0), 0.0)
+    tl.store(Out + row * HEAD_DIM + offs_d, out.to(Out.dtype.element_ty))
+    if tl.program_id(1) == 0:
+        tl.store(Lse + row, tl.where(has, m + tl.log(tl.where(has, total, 1.0)), float("-inf")))
+
+
+def combine_splits_triton(out_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """out_part: [R, S, D] fp32 contiguous; lse_part: [R, S] fp32 -> (out [R, D] out_dtype, lse [R] fp32)."""
+    if out_part.dim() != 3 or out_part.dtype != torch.float32 or not out_part.is_contiguous():
+        raise ValueError(f"expected out_part of shape [R, S, D] contiguous fp32, got {tuple(out_part.shape)} "
+                         f"{out_part.dtype}")
+    R, S, D = out_part.shape
+    if lse_part.shape != (R, S) or lse_part.dtype != torch.float32 or not lse_part.is_contiguous():
+        raise ValueError(f"expected lse_part of shape [{R}, {S}] contiguous fp32, got {tuple(lse_part.shape)}")
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"expected head_dim a power of two >= 16, got {D}")
+    check_device("lse_part", lse_part, out_part.device)
+    check_device("out_part", out_part, out_part.device)
+    out = torch.empty(R, D, device=out_part.device, dtype=out_dtype)
+    lse = torch.empty(R, device=out_part.device, dtype=torch.float32)
+    block_d = min(D, 64)
+    with launch_context(out_part.device):
+        # Split over D too: a row alone would walk all splits serially.
+        _lse_combine_kernel[(R, D // block_d)](
+            out_part, lse_part, out, lse, S,
+            HEAD_DIM=D, SPLITS_PAD=triton.next_power_of_2(S), BLOCK_S=64, BLOCK_D=block_d, num_warps=4,
+        )
+    return out, lse
