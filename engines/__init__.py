@@ -1,5 +1,6 @@
 """Engine registry: profile `engine:` name -> Engine class. Engines never import each other."""
 
 from engines.dense import DenseEngine
+from engines.resa import ResaEngine
 
-ENGINES = {cls.name: cls for cls in (DenseEngine,)}
+ENGINES = {cls.name: cls for cls in (DenseEngine, ResaEngine)}

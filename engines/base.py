@@ -36,6 +36,7 @@ class DocumentState:
     prefill_s: float
     decode: DecodeStep | None = None
     counters: dict = field(default_factory=dict)
+    engine_data: dict = field(default_factory=dict)  # an engine's own per-document state
 
 
 def outside_engine_error() -> RuntimeError:
@@ -76,7 +77,7 @@ class Engine(ABC):
             self.model.set_attn_implementation(self._impl)
 
     @classmethod
-    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int) -> int:
+    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
         """Bytes of engine state (here the KV cache) for n_tokens (prompt + answer), summed over devices."""
         text = model_config.get_text_config(decoder=True)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -88,7 +89,7 @@ class Engine(ABC):
         text = model_config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         window = getattr(text, "sliding_window", None) or n_tokens
-        per_token_layer = cls.memory_plan(model_config, 1, dtype_bytes) // text.num_hidden_layers
+        per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // text.num_hidden_layers
         return sum(per_token_layer * (min(window, n_tokens) if t == "sliding_attention" else n_tokens)
                    for t in types)
 
@@ -149,9 +150,17 @@ class Engine(ABC):
                 break
             if produced == 0:
                 step.start(token, state.position)
+                self._on_decode_start(state)
             step.step()
+            self._after_step(state, token)
             state.position += 1
             token = int(step.token.item())
+
+    def _on_decode_start(self, state: DocumentState) -> None:
+        """Hook: the decode step is ready and nothing has been decoded yet (capture other graphs here)."""
+
+    def _after_step(self, state: DocumentState, fed_token: int) -> None:
+        """Hook: `fed_token` went through one decode step at `state.position` (its K/V are in the cache)."""
 
     def _decode_step(self, state: DocumentState, sampler: Sampler) -> DecodeStep:
         if state.decode is None or state.decode.sampler != sampler:

@@ -86,3 +86,52 @@ class DecodeStep:
             self.graph.replay()
         else:
             self._step()
+
+
+class StaticForward:
+    """`n` known tokens through the model at positions start .. start+n-1, K/V written in place; static shapes.
+
+    For engines that re-encode their newest tokens (resa's rectification). Static device tensors: ids [1, n],
+    position [n], length [1] = start + n. `forward(ids, position_ids)` must write K/V through the cache; its
+    logits are discarded. On GPU the step is captured once as a CUDA graph (`capture(start)` writes scratch K/V
+    at [start, start + n): call it where those slots are not yet valid) and replayed.
+    """
+
+    def __init__(self, forward, cache, n: int, device: torch.device, use_graph: bool):
+        self.forward, self.cache, self.n = forward, cache, n
+        self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.position = torch.arange(n, device=device)
+        self.length = torch.full((1,), n, dtype=torch.long, device=device)
+        self.use_graph = use_graph and device.type == "cuda"
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _run(self) -> None:
+        self.cache.begin_decode(self.position, self.length)
+        self.forward(self.ids, self.position.view(1, -1))
+
+    def _load(self, ids: list[int], start: int) -> None:
+        if len(ids) != self.n:
+            raise ValueError(f"expected {self.n} tokens, got {len(ids)}")
+        self.ids.copy_(torch.tensor(ids, dtype=torch.long).view(1, -1))
+        self.position.copy_(torch.arange(start, start + self.n))
+        self.length.fill_(start + self.n)
+
+    def capture(self, start: int) -> None:
+        if not self.use_graph or self.graph is not None:
+            return
+        self._load([0] * self.n, start)
+        side = torch.cuda.Stream(self.ids.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._run()
+
+    def __call__(self, ids: list[int], start: int) -> None:
+        self._load(ids, start)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._run()

@@ -63,7 +63,7 @@ def estimate(profile, config, n_tokens: int) -> dict:
     engine = ENGINES[profile.engine]
     capacity = n_tokens + run.max_new_tokens
     weights = parameter_bytes(config, dtype_bytes)
-    kv = engine.memory_plan(config, capacity, dtype_bytes)
+    kv = engine.memory_plan(config, capacity, dtype_bytes, profile.engine_config)
     act = activation_bytes(config, min(run.chunk_size, capacity), capacity, dtype_bytes, device)
     if device.type == "cuda":
         ids = [device.index] if device.index is not None else list(range(torch.cuda.device_count()))

@@ -29,7 +29,8 @@ def _lse_combine_kernel(
         w = tl.exp(tl.load(Lse_part + row * num_splits + offs, mask=mask, other=float("-inf")) - m)
         o = tl.load(Out_part + (row * num_splits + offs)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=mask[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
+        # where(), not a product: an empty split's row may hold anything and 0 * NaN is NaN.
+        acc += tl.sum(tl.where(w[:, None] > 0, w[:, None] * o, 0.0), 0)
     has = total > 0
     out = tl.where(has, acc / tl.where(has, total, 1.0), 0.0)
     tl.store(Out + row * HEAD_DIM + offs_d, out.to(Out.dtype.element_ty))

@@ -1,0 +1,240 @@
+"""`resa`: Rectified Sparse Attention (../shared/papers/resa-rectified-sparse-attention.txt).
+
+- Prefill: dense and chunked, as `dense`; every chunk also refreshes the min/max key descriptors of the blocks
+  it wrote (kernels/block_descriptors).
+- Decode, on every full-attention layer: the new key updates its block's descriptors, the GQA group's mean
+  query scores all blocks with Quest's bound and keeps the top k (the local blocks always; kernels/block_select),
+  and attention reads only those blocks (kernels/sparse_decode_attention). Sliding-window layers (Gemma 3)
+  stay exact: they already read only their window.
+- Rectification: every `rectify_every` decoded tokens, those tokens go through the model again in one dense
+  pass (kernels/decode_attention with T queries) that overwrites their K/V and descriptors; its logits are
+  discarded. On GPU both the decode step and the rectification step are captured CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engines.base import DocumentState, Engine, outside_engine_error
+from engines.cache import StaticKVCache, StaticKVLayer
+from engines.decoding import StaticForward
+from kernels.block_descriptors import update_block_descriptors
+from kernels.block_select import KeepRule, select_blocks
+from kernels.chunk_attention import chunk_attention, chunk_attention_backend
+from kernels.decode_attention import decode_attention, decode_backend
+from kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_backend
+
+
+@dataclass
+class ResaConfig:
+    """The paper's defaults: blocks of 16 keys, keep 10% of them (at least 16), the newest block always,
+    and a dense rectification every 32 generated tokens (0 = never, the paper's plain sparse decoding)."""
+
+    block_size: int = 16
+    keep_ratio: float = 0.1
+    min_blocks: int = 16
+    local_blocks: int = 1
+    rectify_every: int = 32
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 64:
+            raise ValueError(f"bad value for block_size: {self.block_size!r}; expected a power of two in [1, 64]")
+        if not 0 < self.keep_ratio <= 1:
+            raise ValueError(f"bad value for keep_ratio: {self.keep_ratio!r}; expected a number in (0, 1]")
+        if self.local_blocks < 1:
+            raise ValueError(f"bad value for local_blocks: {self.local_blocks!r}; expected an integer >= 1")
+        if self.min_blocks < self.local_blocks:
+            raise ValueError(f"bad value for min_blocks: {self.min_blocks!r}; expected an integer >= local_blocks "
+                             f"({self.local_blocks})")
+        if self.rectify_every < 0:
+            raise ValueError(f"bad value for rectify_every: {self.rectify_every!r}; expected an integer >= 0 "
+                             "(0 = never)")
+
+    @property
+    def rule(self) -> KeepRule:
+        return KeepRule(self.keep_ratio, self.min_blocks, self.local_blocks)
+
+
+class ResaKVLayer(StaticKVLayer):
+    """A static KV layer that, on full-attention layers, also holds the block descriptors [B, Hkv, NB, D]."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        if not self.is_sliding:
+            batch, heads, _, dim = key_states.shape
+            n_blocks = -(-self.capacity // self.owner.block_size)
+            self.kmax = torch.zeros(batch, heads, n_blocks, dim, dtype=self.dtype, device=self.device)
+            self.kmin = torch.zeros_like(self.kmax)
+
+    def nbytes(self) -> int:
+        extra = self.kmax.nbytes + self.kmin.nbytes if self.is_initialized and not self.is_sliding else 0
+        return super().nbytes() + extra
+
+
+class ResaKVCache(StaticKVCache):
+    layer_class = ResaKVLayer
+
+    def __init__(self, config, capacity: int, resa: ResaConfig):
+        self.block_size, self.rule = resa.block_size, resa.rule
+        # Static selection width: the blocks kept at full capacity (never fewer than at any shorter length).
+        self.width = self.rule.keep(-(-capacity // resa.block_size))
+        self.timed = False  # CPU: time estimation and sparse attention (synchronous there)
+        self.times = {"estimation_s": 0.0, "sparse_attention_s": 0.0}
+        super().__init__(config, capacity)
+
+    def begin_chunk(self, offset: int, n: int) -> None:
+        super().begin_chunk(offset, n)
+        # The descriptor update reads the valid length from a tensor, in chunks as in decode steps.
+        self._length = {torch.device("cpu"): torch.tensor([offset + n])}
+
+
+def _clock(cache: ResaKVCache, key: str, start: float) -> float:
+    now = time.perf_counter()
+    if cache.timed:
+        cache.times[key] += now - start
+    return now
+
+
+class ResaEngine(Engine):
+    name = "resa"
+    Config = ResaConfig
+
+    @staticmethod
+    def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
+                  **kwargs):
+        if longctx is None:
+            raise outside_engine_error()
+        layer = longctx.layers[module.layer_idx]
+        length = longctx.length_on(query.device)
+        n_new = query.shape[2]
+        if not longctx.decoding:
+            out = chunk_attention(query, key, value, longctx.offset, scale=scaling, window=sliding_window)
+            if not layer.is_sliding:
+                update_block_descriptors(key, layer.kmax, layer.kmin, length, n_new, longctx.block_size)
+            return out.transpose(1, 2), None
+        if layer.is_sliding or n_new > 1:
+            # Exact layers, and the rectification pass (n_new tokens re-encoded densely).
+            if not layer.is_sliding:
+                update_block_descriptors(key, layer.kmax, layer.kmin, length, n_new, longctx.block_size)
+            q = query[:, :, 0] if n_new == 1 else query
+            out = decode_attention(q, key, value, length, scale=scaling, window=sliding_window)
+            return (out.unsqueeze(1) if n_new == 1 else out.transpose(1, 2)), None
+        start = time.perf_counter()
+        update_block_descriptors(key, layer.kmax, layer.kmin, length, 1, longctx.block_size)
+        blocks = select_blocks(query[:, :, 0], layer.kmax, layer.kmin, length, block_size=longctx.block_size,
+                               rule=longctx.rule, width=longctx.width)
+        start = _clock(longctx, "estimation_s", start)
+        out = sparse_decode_attention(query[:, :, 0], key, value, blocks, length, block_size=longctx.block_size,
+                                      scale=scaling)
+        _clock(longctx, "sparse_attention_s", start)
+        return out.unsqueeze(1), None
+
+    def make_cache(self, capacity: int) -> ResaKVCache:
+        cache = ResaKVCache(self.model.config, capacity, self.config)
+        cache.timed = self.device.type == "cpu"
+        return cache
+
+    @classmethod
+    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
+        """The KV cache plus, on full-attention layers, max and min descriptors: 2/block_size of the keys."""
+        block = (engine_config or ResaConfig()).block_size
+        text = model_config.get_text_config(decoder=True)
+        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        per_layer = 2 * text.num_key_value_heads * head_dim * (-(-n_tokens // block)) * dtype_bytes
+        covered = sum(t != "sliding_attention" for t in types)
+        return super().memory_plan(model_config, n_tokens, dtype_bytes) + covered * per_layer
+
+    def kv_read_bytes(self, model_config, n_tokens: int, dtype_bytes: int) -> int:
+        """Per decode step: kept blocks + descriptors on covered layers, windows elsewhere, plus 1/f of the
+        dense rectification pass over the whole cache (amortised)."""
+        text = model_config.get_text_config(decoder=True)
+        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        window = getattr(text, "sliding_window", None) or n_tokens
+        per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // text.num_hidden_layers
+        block = self.config.block_size
+        n_blocks = -(-n_tokens // block)
+        kept = min(n_tokens, self.config.rule.keep(n_blocks) * block)
+        total = 0
+        for t in types:
+            if t == "sliding_attention":
+                total += per_token_layer * min(window, n_tokens)
+            else:
+                # Descriptors: max and min per block, each the size of one key = one K/V token's half.
+                total += per_token_layer * (kept + n_blocks)
+                if self.config.rectify_every:
+                    total += per_token_layer * n_tokens // self.config.rectify_every
+        return total
+
+    def backends(self) -> dict[str, str]:
+        return {"prefill_attention": chunk_attention_backend(self.device, self.has_sliding_layers, self.head_dim),
+                "decode_attention": f"{sparse_decode_backend(self.device)} (sparse layers), "
+                                    f"{decode_backend(self.device)} (exact layers, rectification)"}
+
+    def _on_decode_start(self, state: DocumentState) -> None:
+        f = self.config.rectify_every
+        data = state.engine_data
+        data.update(pending=[], steps=0, kept_tokens=0, context_tokens=0, rectifications=0, rectify_s=0.0,
+                    rectify_events=[])
+        if f and state.position + f <= state.cache.capacity:
+            cache = state.cache
+            use_graph = self.run.decode_graph and self.single_device
+            data["rectify"] = StaticForward(lambda ids, pos: self._forward(cache, ids, pos), cache, f, self.device,
+                                            use_graph)
+            # Captured now, not at the first rectification, so that it never lands inside timed decoding;
+            # its scratch writes go to slots the decode steps overwrite before reading them.
+            data["rectify"].capture(state.position)
+
+    def _after_step(self, state: DocumentState, fed_token: int) -> None:
+        data = state.engine_data
+        length = state.position + 1
+        data["steps"] += 1
+        data["context_tokens"] += length
+        data["kept_tokens"] += min(length, self.config.rule.keep(-(-length // self.config.block_size))
+                                   * self.config.block_size)
+        rectify = data.get("rectify")
+        if rectify is None:
+            return
+        data["pending"].append(fed_token)
+        if len(data["pending"]) < self.config.rectify_every:
+            return
+        start = length - len(data["pending"])
+        if self.device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            rectify(data["pending"], start)
+            end.record()
+            data["rectify_events"].append((begin, end))
+        else:
+            t0 = time.perf_counter()
+            rectify(data["pending"], start)
+            data["rectify_s"] += time.perf_counter() - t0
+        data["pending"] = []
+        data["rectifications"] += 1
+
+    def counters(self, state: DocumentState) -> dict:
+        data = state.engine_data
+        text = self.text_config
+        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        covered = sum(t != "sliding_attention" for t in types)
+        out = {**super().counters(state),
+               "sparse_layers": f"{covered}/{len(types)}" + ("" if covered == len(types) else
+                                                            " (sliding-window layers stay exact)"),
+               "block_size": self.config.block_size, "selection_width_blocks": state.cache.width}
+        steps = data.get("steps", 0)
+        if not steps:
+            return out
+        rectify_s = data["rectify_s"] + sum(b.elapsed_time(e) for b, e in data["rectify_events"]) / 1000
+        n_blocks = -(-state.position // self.config.block_size)
+        out.update(decode_steps=steps, blocks_kept_last_step=self.config.rule.keep(n_blocks),
+                   blocks_total_last_step=n_blocks,
+                   kv_fraction_read=round(data["kept_tokens"] / data["context_tokens"], 4),
+                   rectifications=data["rectifications"], rectification_s=round(rectify_s, 4))
+        if state.cache.timed:
+            out.update({k: round(v, 4) for k, v in state.cache.times.items()})
+        else:
+            out["estimation_vs_attention"] = "inside one CUDA graph; see `longctx bench --kernels`"
+        return out

@@ -1,0 +1,366 @@
+"""resa's kernels: block descriptors, block selection, block-sparse decode, few-query decode, LSE combine.
+
+CPU tests pin the references down against brute force; `gpu` tests hold the Triton kernels to the references
+(run on the device; `TRITON_INTERPRET=1 pytest -m gpu tests/test_resa_kernels.py` runs them on CPU through
+Triton's interpreter where Triton is installed).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels.block_descriptors import update_block_descriptors_reference as update_ref
+from kernels.block_select import KeepRule, block_scores
+from kernels.block_select import select_blocks_reference as select_ref
+from kernels.decode_attention import decode_attention_reference as dense_ref
+from kernels.lse_combine import combine_splits_reference, merge_partials
+from kernels.sparse_decode_attention import sparse_decode_attention_reference as sparse_ref
+
+BS = 16
+
+
+def _device() -> str | None:
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return None
+        return "cpu"
+    return None
+
+
+DEVICE = _device()
+needs_triton = pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or TRITON_INTERPRET=1 with Triton)")
+
+
+def _keys(B, H, S, D, lengths, dtype=torch.float32, device="cpu"):
+    """Random keys with NaN past each length: a kernel that reads beyond the valid prefix shows it."""
+    torch.manual_seed(42)
+    k = torch.randn(B, H, S, D, dtype=dtype, device=device)
+    for b, n in enumerate(lengths):
+        k[b, :, n:] = float("nan")
+    return k
+
+
+def _descriptors(keys, lengths):
+    B, H, S, D = keys.shape
+    nb = -(-S // BS)
+    kmax = torch.full((B, H, nb, D), float("nan"), dtype=keys.dtype, device=keys.device)
+    kmin = kmax.clone()
+    for b, n in enumerate(lengths):
+        update_ref(keys[b:b + 1], kmax[b:b + 1], kmin[b:b + 1], torch.tensor([n]), n, BS)
+    return kmax, kmin
+
+
+# ---- references against brute force (CPU, CI) ----
+
+def test_descriptors_incremental_equal_full_rebuild():
+    """Chunks of odd sizes, then single tokens: only touched blocks change, and they equal a rebuild."""
+    S, D = 300, 8
+    keys = torch.randn(1, 2, S, D)
+    kmax = torch.full((1, 2, -(-S // BS), D), float("nan"))
+    kmin = kmax.clone()
+    end = 0
+    for n in (37, 5, 100, 1, 1, 16, 1):
+        end += n
+        before = kmax.clone()
+        update_ref(keys, kmax, kmin, torch.tensor([end]), n, BS)
+        untouched = slice(0, (end - n) // BS)
+        assert torch.equal(kmax[:, :, untouched], before[:, :, untouched])
+    for blk in range(-(-end // BS)):
+        seg = keys[0, :, blk * BS:min(end, blk * BS + BS)]
+        assert torch.equal(kmax[0, :, blk], seg.amax(dim=1)) and torch.equal(kmin[0, :, blk], seg.amin(dim=1))
+
+
+@pytest.mark.parametrize("n_blocks,ratio,min_blocks,expected", [
+    (1, 0.1, 16, 1), (16, 0.1, 16, 16), (17, 0.1, 16, 16), (200, 0.1, 16, 20), (201, 0.1, 16, 21),
+    (8192, 0.1, 16, 820), (10, 1.0, 16, 10), (3, 0.3, 1, 1), (30, 0.3, 1, 9),
+])
+def test_keep_rule(n_blocks, ratio, min_blocks, expected):
+    assert KeepRule(ratio, min_blocks, 1).keep(n_blocks) == expected
+
+
+def test_block_scores_are_quest_bounds_and_upper_bound_q_dot_k():
+    torch.manual_seed(0)
+    L, D, G = 150, 16, 4
+    keys = _keys(1, 2, 160, D, [L])
+    q = torch.randn(1, 2 * G, D)
+    kmax, kmin = _descriptors(keys, [L])
+    s = block_scores(q, kmax, kmin, torch.tensor([L]), block_size=BS, local_blocks=2)
+    qbar = q.view(1, 2, G, D).mean(2)
+    n_blocks = -(-L // BS)
+    for h in range(2):
+        for blk in range(n_blocks - 2):
+            bound = sum(max(qbar[0, h, d] * kmax[0, h, blk, d], qbar[0, h, d] * kmin[0, h, blk, d]) for d in range(D))
+            assert torch.isclose(s[0, h, blk], bound, atol=1e-5)
+            # An upper bound on the group-mean query's score for every key of the block.
+            assert (keys[0, h, blk * BS:(blk + 1) * BS] @ qbar[0, h] <= s[0, h, blk] + 1e-5).all()
+        assert torch.isinf(s[0, h, n_blocks - 2:n_blocks]).all() and (s[0, h, n_blocks - 2:n_blocks] > 0).all()
+        assert (s[0, h, n_blocks:] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("L", [1, 16, 17, 255, 256, 257, 999], ids=lambda n: f"L{n}")
+def test_select_keeps_top_k_local_and_pads(L):
+    rule, S = KeepRule(0.1, 4, 2), 1024
+    keys = _keys(2, 3, S, 8, [L, max(1, L // 2)])
+    q = torch.randn(2, 6, 8)
+    kmax, kmin = _descriptors(keys, [L, max(1, L // 2)])
+    width = rule.keep(S // BS)
+    lengths = torch.tensor([L, max(1, L // 2)])
+    idx = select_ref(q, kmax, kmin, lengths, block_size=BS, rule=rule, width=width)
+    scores = block_scores(q, kmax, kmin, lengths, block_size=BS, local_blocks=2)
+    assert idx.shape == (2, 3, width) and idx.dtype == torch.int32
+    for b, n in enumerate(lengths.tolist()):
+        n_blocks = -(-n // BS)
+        k = rule.keep(n_blocks)
+        for h in range(3):
+            kept = idx[b, h, :k]
+            assert (idx[b, h, k:] == -1).all() and (kept >= 0).all() and (kept < n_blocks).all()
+            assert torch.equal(kept, kept.sort().values) and kept.unique().numel() == k
+            assert set(range(max(0, n_blocks - 2), n_blocks)) <= set(kept.tolist())
+            dropped = torch.ones(n_blocks, dtype=torch.bool)
+            dropped[kept.long()] = False
+            if dropped.any():
+                assert scores[b, h, kept.long()].min() >= scores[b, h, :n_blocks][dropped].max()
+
+
+def test_sparse_reference_equals_dense_over_the_same_keys():
+    B, Hkv, G, S, D = 2, 2, 4, 400, 32
+    lengths = [397, 150]
+    keys, values = _keys(B, Hkv, S, D, lengths), _keys(B, Hkv, S, D, lengths)
+    q = torch.randn(B, Hkv * G, D)
+    length = torch.tensor(lengths)
+    all_blocks = torch.arange(S // BS, dtype=torch.int32).expand(B, Hkv, -1).contiguous()
+    torch.testing.assert_close(sparse_ref(q, keys, values, all_blocks, length, block_size=BS, scale=0.2),
+                               dense_ref(q, keys, values, length, scale=0.2), atol=1e-5, rtol=1e-5)
+    # A subset (with -1 holes) equals dense attention with the other keys masked out.
+    subset = torch.tensor([[3, -1, 9, 24], [0, 5, -1, 9]], dtype=torch.int32).view(1, 2, 4).expand(B, -1, -1)
+    out = sparse_ref(q, keys, values, subset.contiguous(), length, block_size=BS, scale=0.2)
+    for b in range(B):
+        for h in range(Hkv):
+            toks = [t for blk in subset[b, h].tolist() if blk >= 0 for t in range(blk * BS, blk * BS + BS)
+                    if t < lengths[b]]
+            p = (q[b, h * G:(h + 1) * G] @ keys[b, h, toks].T * 0.2).softmax(-1)
+            torch.testing.assert_close(out[b, h * G:(h + 1) * G], p @ values[b, h, toks], atol=1e-5, rtol=1e-5)
+
+
+def test_few_query_decode_equals_one_query_at_a_time():
+    """T queries at positions length-T..length-1 == T single-query calls with growing lengths."""
+    B, Hkv, G, S, D, T = 1, 2, 3, 300, 16, 7
+    keys, values = _keys(B, Hkv, S, D, [280]), _keys(B, Hkv, S, D, [280])
+    q = torch.randn(B, Hkv * G, T, D)
+    for window in (None, 20):
+        out, lse = dense_ref(q, keys, values, torch.tensor([280]), scale=0.3, window=window, return_lse=True)
+        for t in range(T):
+            o1, l1 = dense_ref(q[:, :, t], keys, values, torch.tensor([280 - T + 1 + t]), scale=0.3, window=window,
+                               return_lse=True)
+            torch.testing.assert_close(out[:, :, t], o1, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(lse[:, :, t], l1, atol=1e-6, rtol=1e-6)
+
+
+def test_combine_splits_equals_one_shot():
+    keys, values = _keys(1, 1, 256, 16, [256]), _keys(1, 1, 256, 16, [256])
+    q = torch.randn(1, 4, 16)
+    cuts = [0, 40, 40, 200, 256]  # an empty split included
+    parts = [dense_ref(q, keys[:, :, a:b], values[:, :, a:b], torch.tensor([b - a]), scale=0.25, return_lse=True)
+             if b > a else (torch.zeros(1, 4, 16), torch.full((1, 4), float("-inf")))
+             for a, b in zip(cuts, cuts[1:])]
+    out_part = torch.stack([o for o, _ in parts], dim=2).view(4, len(parts), 16)
+    lse_part = torch.stack([lse for _, lse in parts], dim=2).view(4, len(parts))
+    out, lse = combine_splits_reference(out_part.float(), lse_part, torch.float32)
+    ref, ref_lse = dense_ref(q, keys, values, torch.tensor([256]), scale=0.25, return_lse=True)
+    torch.testing.assert_close(out.view(1, 4, 16), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.view(1, 4), ref_lse, atol=1e-5, rtol=1e-5)
+    assert merge_partials([o for o, _ in parts], [x for _, x in parts])[0].shape == (1, 4, 16)
+
+
+# ---- Triton kernels against the references (device; or the interpreter) ----
+
+def _supported(dtype) -> None:
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter has no bfloat16")
+
+
+def _lowp_error(q, keys, values, toks_per_row, scale):
+    """Error of the same attention done by torch at the inputs' dtype: the yardstick (flash-attention's rule)."""
+    worst = 0.0
+    for (b, h, hk), toks in toks_per_row.items():
+        p = (q[b, h].float() @ keys[b, hk, toks].float().T * scale).softmax(-1)
+        ref = p @ values[b, hk, toks].float()
+        low = ((q[b, h] @ keys[b, hk, toks].T) * scale).softmax(-1) @ values[b, hk, toks]
+        worst = max(worst, (low.float() - ref).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("n_new", [1, 5, 32, 33], ids=lambda n: f"new{n}")
+@pytest.mark.parametrize("L", [33, 1000, 4097], ids=lambda n: f"L{n}")
+@pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+@pytest.mark.gpu
+@needs_triton
+def test_descriptors_triton(dtype, D, L, n_new):
+    from kernels.block_descriptors.triton import update_block_descriptors_triton
+
+    _supported(dtype)
+    keys = _keys(1, 4, L + 40, D, [L], dtype=dtype, device=DEVICE)
+    kmax, kmin = _descriptors(keys.cpu(), [L - n_new])
+    kmax[:, :, (L - n_new) // BS:] = 7.0
+    kmin[:, :, (L - n_new) // BS:] = 7.0
+    got_max, got_min = kmax.to(DEVICE), kmin.to(DEVICE)
+    update_block_descriptors_triton(keys, got_max, got_min, torch.tensor([L], device=DEVICE), n_new, BS)
+    update_ref(keys.cpu(), kmax, kmin, torch.tensor([L]), n_new, BS)
+    assert torch.equal(got_max.cpu(), kmax) and torch.equal(got_min.cpu(), kmin)
+
+
+def _problem(B, group, L, D, dtype, S=None):
+    """q [B, 2*group, D], keys/values [B, 2, S, D] (NaN past each length), descriptors, lengths tensor."""
+    _supported(dtype)
+    Hkv = 2
+    lengths = [L, max(1, L // 3)][:B]
+    S = S or L + 37
+    keys = _keys(B, Hkv, S, D, lengths, dtype=dtype)
+    values = _keys(B, Hkv, S, D, lengths, dtype=dtype).flip(-1)
+    q = torch.randn(B, Hkv * group, D, dtype=dtype)
+    kmax, kmin = _descriptors(keys, lengths)
+    return [t.to(DEVICE) for t in (q, keys, values, kmax, kmin)] + [torch.tensor(lengths, device=DEVICE)]
+
+
+@pytest.mark.parametrize("L", [1, 17, 1000, 4097, 32768], ids=lambda n: f"L{n}")
+@pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
+@pytest.mark.gpu
+@needs_triton
+def test_select_triton_matches_reference(D, group, L):
+    from kernels.block_select.triton import select_blocks_triton
+
+    q, keys, _, kmax, kmin, length = _problem(2, group, L, D, torch.float16 if DEVICE == "cpu" else torch.bfloat16)
+    rule = KeepRule(0.1, 16, 1)
+    width = rule.keep(kmax.shape[2]) + 5
+    got = select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width)
+    ref = select_ref(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, rule=rule, width=width)
+    if not torch.equal(got.cpu(), ref):
+        # Summation order may flip near-ties: the kernel's choice must still be a top-k under reference scores.
+        scores = block_scores(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, local_blocks=1)
+        for b in range(2):
+            for h in range(2):
+                a, r = got[b, h].cpu(), ref[b, h]
+                assert torch.equal(a < 0, r < 0)
+                ka, kr = scores[b, h, a[a >= 0].long()].sort().values, scores[b, h, r[r >= 0].long()].sort().values
+                torch.testing.assert_close(ka, kr, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("L", [1, 17, 1000, 4097, 32768], ids=lambda n: f"L{n}")
+@pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
+@pytest.mark.gpu
+@needs_triton
+def test_sparse_triton_matches_reference(D, group, L, dtype):
+    from kernels.sparse_decode_attention.triton import sparse_decode_attention_triton
+
+    q, keys, values, kmax, kmin, length = _problem(2, group, L, D, dtype)
+    blocks = select_ref(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, rule=KeepRule(0.1, 16, 1),
+                        width=KeepRule(0.1, 16, 1).keep(kmax.shape[2]) + 3).to(DEVICE)
+    out, lse = sparse_decode_attention_triton(q, keys, values, blocks, length, block_size=BS, scale=D**-0.5,
+                                              return_lse=True)
+    ref, ref_lse = sparse_ref(q.float(), keys.float(), values.float(), blocks, length, block_size=BS,
+                              scale=D**-0.5, return_lse=True)
+    assert out.dtype == dtype and not out.isnan().any()
+    toks = {}
+    for b, n in enumerate(length.tolist()):
+        for h in range(q.shape[1]):
+            hk = h // group
+            toks[(b, h, hk)] = [t for blk in blocks[b, hk].tolist() if blk >= 0
+                                for t in range(blk * BS, min(n, blk * BS + BS))]
+    err = (out.float() - ref).abs().max().item()
+    torch_err = _lowp_error(q, keys, values, toks, D**-0.5)
+    assert err <= 2 * torch_err + 1e-5, f"kernel error {err:.2e} vs torch {dtype} error {torch_err:.2e}"
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, 512], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("T", [2, 32], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
+@pytest.mark.gpu
+@needs_triton
+def test_few_query_decode_triton_matches_reference(D, group, T, window):
+    from kernels.decode_attention.triton import decode_attention_triton
+
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    _, keys, values, _, _, length = _problem(2, group, 4097, D, dtype)
+    q = torch.randn(2, 2 * group, T, D, dtype=dtype, device=DEVICE)
+    out, lse = decode_attention_triton(q, keys, values, length, scale=D**-0.5, window=window, return_lse=True)
+    ref, ref_lse = dense_ref(q.float(), keys.float(), values.float(), length, scale=D**-0.5, window=window,
+                             return_lse=True)
+    assert out.shape == q.shape and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_combine_triton_matches_reference():
+    from kernels.lse_combine.triton import combine_splits_triton
+
+    out_part = torch.randn(50, 7, 128, device=DEVICE)
+    lse_part = torch.randn(50, 7, device=DEVICE)
+    lse_part[:, 3] = float("-inf")  # empty splits weigh nothing, even if their rows hold NaN
+    out_part[:, 3] = float("nan")
+    lse_part[7] = float("-inf")  # a row with no key at all: out 0, lse -inf
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    got, got_lse = combine_splits_triton(out_part, lse_part, dtype)
+    ref, ref_lse = combine_splits_reference(out_part.cpu(), lse_part.cpu(), dtype)
+    torch.testing.assert_close(got.cpu().float(), ref.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got_lse.cpu(), ref_lse, atol=1e-5, rtol=1e-5)
+    assert (got[7] == 0).all() and got_lse[7] == float("-inf")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sparse_step_in_a_cuda_graph_follows_length():
+    """descriptor update + select + sparse attention captured once, replayed while the length grows."""
+    from kernels.block_descriptors import update_block_descriptors
+    from kernels.block_select import select_blocks
+    from kernels.sparse_decode_attention import sparse_decode_attention
+
+    B, Hkv, G, S, D = 1, 8, 4, 8192, 128
+    rule = KeepRule(0.1, 16, 1)
+    keys = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    kmax = torch.zeros(B, Hkv, S // BS, D, device="cuda", dtype=torch.bfloat16)
+    kmin = torch.zeros_like(kmax)
+    update_block_descriptors(keys, kmax, kmin, torch.tensor([5000], device="cuda"), 5000, BS)
+    q = torch.randn(B, Hkv * G, D, device="cuda", dtype=torch.bfloat16)
+    length = torch.tensor([5001], device="cuda")
+    width = rule.keep(S // BS)
+
+    def step():
+        update_block_descriptors(keys, kmax, kmin, length, 1, BS)
+        blocks = select_blocks(q, kmax, kmin, length, block_size=BS, rule=rule, width=width)
+        return blocks, sparse_decode_attention(q, keys, values, blocks, length, block_size=BS, scale=D**-0.5)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        blocks, out = step()
+    for n in (5001, 5002, 6000, 8192):
+        length.fill_(n)
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        ref_kmax, ref_kmin = kmax.clone(), kmin.clone()
+        update_ref(keys.cpu(), ref_kmax := ref_kmax.cpu(), ref_kmin := ref_kmin.cpu(), torch.tensor([n]), n, BS)
+        assert torch.equal(kmax.cpu()[:, :, :-(-n // BS)], ref_kmax[:, :, :-(-n // BS)])
+        ref_blocks = select_ref(q.cpu(), ref_kmax, ref_kmin, torch.tensor([n]), block_size=BS, rule=rule, width=width)
+        assert ((blocks >= 0).sum(-1).cpu() == (ref_blocks >= 0).sum(-1)).all()
+        ref = sparse_ref(q.float(), keys.float(), values.float(), blocks, length, block_size=BS, scale=D**-0.5)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
