@@ -156,6 +156,34 @@ class Engine(ABC):
             state.position += 1
             token = int(step.token.item())
 
+    @torch.inference_mode()
+    def teacher_forced_nll(self, state: DocumentState, question_ids: torch.Tensor, targets: list[int]) -> list[float]:
+        """Negative log-likelihood of each target token, fed one decode step at a time (teacher forcing).
+
+        The same path as `answer` (question through the chunk path, then the engine's decode step and hooks,
+        e.g. resa's rectification), but the fed token is the given target instead of the sampled one: how far
+        an engine's next-token distribution drifts from dense over a long generation (the ReSA paper's
+        language-modelling setup). Returns len(targets) values.
+        """
+        self.activate()
+        logits = self._extend(state.cache, question_ids, state.position) if question_ids.numel() else state.last_logits
+        state.position += question_ids.numel()
+        if state.position + len(targets) > state.cache.capacity:
+            raise ValueError(f"KV cache of {state.cache.capacity} tokens has no room for {len(targets)} targets")
+        nll = [-torch.log_softmax(logits.float(), dim=-1)[0, targets[0]]]
+        step = self._decode_step(state, Sampler())
+        for i, token in enumerate(targets[:-1]):
+            if i == 0:
+                step.start(token, state.position)
+                self._on_decode_start(state)
+            else:
+                step.token.fill_(token)
+            step.step()
+            self._after_step(state, token)
+            state.position += 1
+            nll.append(-torch.log_softmax(step.logits, dim=-1)[0, targets[i + 1]])
+        return torch.stack(nll).tolist()
+
     def _on_decode_start(self, state: DocumentState) -> None:
         """Hook: the decode step is ready and nothing has been decoded yet (capture other graphs here)."""
 

@@ -38,8 +38,9 @@ class Sampler:
 class DecodeStep:
     """One token through the model with static shapes: `token` in, next token left in `token`.
 
-    Static device tensors: token [1, 1], position [1] (where the token's K/V go), length [1] (valid keys).
-    `forward(token, position_ids)` must return logits [1, 1, V] and write K/V through the cache.
+    Static device tensors: token [1, 1], position [1] (where the token's K/V go), length [1] (valid keys),
+    logits [1, V] fp32 (the step's output, for teacher-forced scoring). `forward(token, position_ids)` must
+    return logits [1, 1, V] and write K/V through the cache.
     """
 
     def __init__(self, forward, cache, sampler: Sampler, device: torch.device, use_graph: bool):
@@ -47,6 +48,7 @@ class DecodeStep:
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.length = torch.ones(1, dtype=torch.long, device=device)
+        self.logits: torch.Tensor | None = None
         self.use_graph = use_graph and device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
         if sampler.temperature > 0:
@@ -55,8 +57,11 @@ class DecodeStep:
 
     def _step(self) -> None:
         self.cache.begin_decode(self.position, self.length)
-        logits = self.forward(self.token, self.position.view(1, 1))
-        self.token.copy_(self.sampler(logits[:, -1]).view(1, 1))
+        logits = self.forward(self.token, self.position.view(1, 1))[:, -1]
+        if self.logits is None:
+            self.logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        self.logits.copy_(logits)
+        self.token.copy_(self.sampler(logits).view(1, 1))
         self.position.add_(1)
         self.length.add_(1)
 

@@ -236,5 +236,5 @@ class ResaEngine(Engine):
         if state.cache.timed:
             out.update({k: round(v, 4) for k, v in state.cache.times.items()})
         else:
-            out["estimation_vs_attention"] = "inside one CUDA graph; see `longctx bench --kernels`"
+            out["estimation_vs_attention"] = "not separable inside one CUDA graph; see benchmarks/bench_resa_kernels.py"
         return out

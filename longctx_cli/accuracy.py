@@ -65,7 +65,7 @@ def _run(engine, builder: PromptBuilder, sample, budget: int) -> dict:
     finally:
         stream.close()
     return {"answer": text.text.strip(), "score": 100 * score(sample, text.text), "prefill_s": state.prefill_s,
-            "decode_ms_per_token": 1000 * statistics.median(steps[1:]) if len(steps) > 1 else None,
+            "decode_ms_per_token": 1000 * statistics.fmean(steps[1:]) if len(steps) > 1 else None,
             "prompt_tokens": doc.numel() + tail.numel(), "counters": engine.counters(state)}
 
 

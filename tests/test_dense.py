@@ -152,3 +152,22 @@ def test_gpu_prefill_error_within_twice_hf_bf16_error(preset):
     got = _engine(lm, chunk_size=1024).prefill(ids, reserve=1).last_logits[0]
     ours, theirs = ((got - exact).norm() / exact.norm()).item(), ((hf - exact).norm() / exact.norm()).item()
     assert ours <= 2 * theirs + 1e-3, f"chunked prefill error {ours:.2e} vs HF bf16 one-shot {theirs:.2e}"
+
+
+def test_teacher_forced_nll_equals_one_forward(lm, story_text):
+    """Feeding known tokens one decode step at a time scores them as one full forward does."""
+    ids = _document_ids(lm, story_text, 600)
+    question = torch.tensor(lm.tokenizer("\n\nQuestion: Who kept the light?\nAnswer:",
+                                         add_special_tokens=False)["input_ids"])
+    targets = ids[100:120].tolist()
+    engine = _engine(lm, chunk_size=256)
+    state = engine.prefill(ids, reserve=question.numel() + len(targets))
+    nll = engine.teacher_forced_nll(state, question, targets)
+
+    lm.model.set_attn_implementation("sdpa")
+    full = torch.cat([ids, question, torch.tensor(targets)]).view(1, -1)
+    with torch.inference_mode():
+        logp = torch.log_softmax(lm.model(full).logits[0].float(), dim=-1)
+    start = ids.numel() + question.numel() - 1
+    ref = [-logp[start + i, t].item() for i, t in enumerate(targets)]
+    assert nll == pytest.approx(ref, abs=1e-3)

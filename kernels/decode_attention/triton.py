@@ -23,6 +23,8 @@ _PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 256
 # Tile of keys, warps and pipeline stages: the best of a sweep on an H100 for head_dim 128 and 256.
 _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 2
+# Query rows (GQA group x tokens) per program: more are split over programs, each re-reading the keys.
+_MAX_ROWS = 64
 
 
 @triton.jit
@@ -38,8 +40,9 @@ def _decode_attention_fwd_kernel(
     b = (pid_bh // n_kv_heads).to(tl.int64)
     h = (pid_bh % n_kv_heads).to(tl.int64)
     length = tl.load(Length + b).to(tl.int64)
-    # Row r is query token t = r % T of head h * GROUP + r // T; token t sits at position first + t.
-    offs_r = tl.arange(0, ROWS_PAD)
+    # Row r is query token t = r % T of head h * GROUP + r // T; token t sits at position first + t. Many rows
+    # (rectification: G x T) are spread over several programs (axis 2) to keep each tile in registers.
+    offs_r = tl.program_id(2) * ROWS_PAD + tl.arange(0, ROWS_PAD)
     row_ok = offs_r < GROUP * N_QUERIES
     q_heads = h * GROUP + offs_r // N_QUERIES
     q_tok = offs_r % N_QUERIES
@@ -114,9 +117,6 @@ def _validate(q, k_cache, v_cache, length, window) -> None:
         raise ValueError(f"expected v_cache of shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     if Hq % k_cache.shape[1]:
         raise ValueError(f"expected Hq ({Hq}) to be a multiple of Hkv ({k_cache.shape[1]})")
-    if (Hq // k_cache.shape[1]) * T > 256:
-        raise ValueError(f"expected at most 256 query rows per kv head, got GQA group x T = "
-                         f"{Hq // k_cache.shape[1]} x {T}")
     if length.shape != (B,) or length.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"expected length of shape [{B}] int64, got {tuple(length.shape)} {length.dtype}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -153,16 +153,17 @@ def decode_attention_triton(
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
     num_splits = num_splits_for(B, Hkv, S, q.device)
+    rows_pad = min(max(16, triton.next_power_of_2(group * T)), _MAX_ROWS if D <= 128 else _MAX_ROWS // 2)
     # Scratch from the caching allocator: inside a graph capture it comes from the graph's private pool.
     out_part = torch.empty(B * Hq * T, num_splits, D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B * Hq * T, num_splits, device=q.device, dtype=torch.float32)
     with launch_context(q.device):
-        _decode_attention_fwd_kernel[(B * Hkv, num_splits)](
+        _decode_attention_fwd_kernel[(B * Hkv, num_splits, triton.cdiv(group * T, rows_pad))](
             q4, k_cache, v_cache, length, out_part, lse_part,
             scale * _LOG2E, window or 0, Hkv, Hq, num_splits,
             q4.stride(0), q4.stride(1), q4.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            GROUP=group, N_QUERIES=T, ROWS_PAD=max(16, triton.next_power_of_2(group * T)), HEAD_DIM=D,
+            GROUP=group, N_QUERIES=T, ROWS_PAD=rows_pad, HEAD_DIM=D,
             BLOCK_N=_BLOCK_N, HAS_WINDOW=window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,

@@ -1,0 +1,110 @@
+"""resa's kernel-level breakdown on a GPU (the paper's Figure 6): one decode step of one layer, per context.
+
+    python benchmarks/bench_resa_kernels.py --out resa_kernels.json
+
+For each model shape and context length (B=1, bf16, a buffer the size of the context): dense decode attention
+(the Triton split-KV kernel), resa's estimation (descriptor update + block scores + top-k) and sparse
+attention (block-sparse kernel + merge), and the rectification attention (32 queries over the whole cache)
+amortised over 32 steps, for our few-query kernel and for SDPA with an explicit mask. Times are medians of
+CUDA-graph replays (triton.testing.do_bench_cudagraph), in ms, so launch overhead is excluded as in decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench_cudagraph
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels.block_descriptors import update_block_descriptors  # noqa: E402
+from kernels.block_select import KeepRule, select_blocks  # noqa: E402
+from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
+
+# name: (Hq, Hkv, D)
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen3-1.7b": (16, 8, 128)}
+LENGTHS = [32768, 131072, 262144]
+BLOCK, RECTIFY = 16, 32
+
+
+def bench(shape: str, length: int, rule: KeepRule) -> dict:
+    Hq, Hkv, D = SHAPES[shape]
+    opts = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, Hq, D, **opts)
+    k = torch.randn(1, Hkv, length, D, **opts)
+    v = torch.randn(1, Hkv, length, D, **opts)
+    n_blocks = triton.cdiv(length, BLOCK)
+    kmax = torch.empty(1, Hkv, n_blocks, D, **opts)
+    kmin = torch.empty_like(kmax)
+    n = torch.tensor([length], device="cuda")
+    update_block_descriptors(k, kmax, kmin, n, length, BLOCK)
+    width = rule.keep(n_blocks)
+    blocks = select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width)
+    q_rect = torch.randn(1, Hq, RECTIFY, D, **opts)
+    pos = torch.arange(length, device="cuda")
+    rect_mask = pos[None, :] <= (length - RECTIFY + torch.arange(RECTIFY, device="cuda"))[:, None]
+    scale = D**-0.5
+
+    def estimation():
+        update_block_descriptors(k, kmax, kmin, n, 1, BLOCK)
+        select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width)
+
+    fns = {
+        "dense_attention": lambda: decode_attention(q, k, v, n, scale=scale),
+        "estimation": estimation,
+        "descriptor_update": lambda: update_block_descriptors(k, kmax, kmin, n, 1, BLOCK),
+        "select": lambda: select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width),
+        "sparse_attention": lambda: sparse_decode_attention(q, k, v, blocks, n, block_size=BLOCK, scale=scale),
+        "rectify_attention_triton": lambda: decode_attention(q_rect, k, v, n, scale=scale),
+        "rectify_attention_sdpa": lambda: F.scaled_dot_product_attention(
+            q_rect, k, v, attn_mask=rect_mask, scale=scale, enable_gqa=True),
+    }
+    with torch.cuda.stream(torch.cuda.Stream()):
+        ms = {name: do_bench_cudagraph(fn, rep=100, return_mode="median") for name, fn in fns.items()}
+    resa = ms["estimation"] + ms["sparse_attention"]
+    rectify = min(ms["rectify_attention_triton"], ms["rectify_attention_sdpa"]) / RECTIFY
+    kv_bytes = 2 * Hkv * length * D * 2
+    return {"shape": shape, "Hq": Hq, "Hkv": Hkv, "D": D, "length": length, "kept_blocks": width,
+            "n_blocks": n_blocks, "ms": ms, "estimation_plus_sparse_ms": resa,
+            "rectification_amortised_ms": rectify,
+            "speedup_estimation_plus_sparse_vs_dense": ms["dense_attention"] / resa,
+            "speedup_with_rectification_vs_dense": ms["dense_attention"] / (resa + rectify),
+            "dense_gb_per_s": kv_bytes / 1e9 / (ms["dense_attention"] / 1e3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--keep-ratio", type=float, default=0.1)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/bench_resa_kernels.py needs a CUDA device")
+    rule = KeepRule(args.keep_ratio, 16, 1)
+    rows = []
+    cols = ("dense_attention", "descriptor_update", "select", "sparse_attention", "rectify_attention_triton",
+            "rectify_attention_sdpa")
+    print(f"{'shape':<13} {'length':>7} " + " ".join(f"{c[:16]:>16}" for c in cols) + "  speedup", flush=True)
+    for shape in SHAPES:
+        for length in LENGTHS:
+            r = bench(shape, length, rule)
+            rows.append(r)
+            print(f"{shape:<13} {length:>7} " + " ".join(f"{r['ms'][c]:16.4f}" for c in cols)
+                  + f"  {r['speedup_estimation_plus_sparse_vs_dense']:.2f}x", flush=True)
+            torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python3", *sys.argv]), "keep_ratio": args.keep_ratio, "block_size": BLOCK,
+              "rows": rows}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
