@@ -1,6 +1,7 @@
 """chunk_attention: a chunk of T prefill queries against a static, preallocated KV cache.
 
-On CUDA, layers without a sliding window (head_dim <= 128) go to cuDNN attention split into prefix + diagonal
+On CUDA, chunks of at most FEW_QUERIES tokens go to the split-KV decode kernel (T queries); longer ones,
+on layers without a sliding window (head_dim <= 128), to cuDNN attention split into prefix + diagonal
 and merged by log-sum-exp (cudnn.py; the fastest measured on an H100), windowed layers to FlexAttention over
 the full static buffer; elsewhere the SDPA reference with an explicit mask runs. LONGCTX_CHUNK_ATTENTION=
 flex|sdpa|reference forces a path for comparisons (sdpa: lower-right causal bias, flash kernel).
@@ -16,6 +17,7 @@ import torch
 from kernels.chunk_attention.reference import chunk_attention as chunk_attention_reference
 from kernels.chunk_attention.cudnn import chunk_attention_cudnn
 from kernels.chunk_attention.sdpa import chunk_attention_sdpa
+from kernels.decode_attention import decode_attention
 
 __all__ = ["chunk_attention", "chunk_attention_backend", "chunk_attention_reference"]
 
@@ -37,8 +39,22 @@ def _choice() -> str:
     return choice
 
 
-def _pick(device: torch.device, window: int | None, head_dim: int = 128):
+# Chunks of at most this many queries (a question's tail, a rectification) go to the split-KV decode kernel:
+# measured on an H100, FlexAttention's compiled kernel for head_dim 256 fails to lower at T = 38 ("no choices"),
+# and few queries cannot fill the GPU with query tiles anyway, while split-KV spreads the keys over the SMs.
+FEW_QUERIES = 64
+
+
+def _few_queries(q, k_cache, v_cache, offset, *, scale, window=None):
+    length = torch.full((q.shape[0],), offset + q.shape[2], dtype=torch.long, device=q.device)
+    return decode_attention(q, k_cache, v_cache, length, scale=scale, window=window)
+
+
+def _pick(device: torch.device, window: int | None, head_dim: int = 128, n_queries: int | None = None):
     choice = _choice()
+    if device.type == "cuda" and choice == "auto" and n_queries is not None and n_queries <= FEW_QUERIES \
+            and head_dim <= 256:
+        return _few_queries
     if device.type != "cuda" or choice == "reference":
         return chunk_attention_reference
     if window is None and choice == "sdpa":
@@ -63,7 +79,7 @@ def chunk_attention(
     position p sees keys kv <= p and, with a window, kv > p - window. Returns out [B, Hq, T, D] in q's dtype.
     On CUDA with a window the cache past offset + T must hold finite values (see flex.py).
     """
-    return _pick(q.device, window, q.shape[-1])(q, k_cache, v_cache, offset, scale=scale, window=window)
+    return _pick(q.device, window, q.shape[-1], q.shape[2])(q, k_cache, v_cache, offset, scale=scale, window=window)
 
 
 def chunk_attention_backend(device: torch.device, windows: bool = False, head_dim: int = 128) -> str:
@@ -72,4 +88,6 @@ def chunk_attention_backend(device: torch.device, windows: bool = False, head_di
              chunk_attention_sdpa: "sdpa lower-right causal", _flex_impl(): "flex attention"}
     full = names[_pick(device, None, head_dim)]
     sliding = names[_pick(device, 512, head_dim)]
-    return full if not windows or sliding == full else f"{full}; sliding-window layers: {sliding}"
+    text = full if not windows or sliding == full else f"{full}; sliding-window layers: {sliding}"
+    few = _pick(device, None, head_dim, 1) is _few_queries
+    return text + (f"; chunks of <= {FEW_QUERIES} tokens: triton split-KV" if few else "")
