@@ -126,7 +126,7 @@ def test_graph_decode_equals_eager_decode_on_gpu(preset):
         assert (state.decode.graph is not None) == graph
         assert engine.backends()["decode_attention"] == "triton split-KV"
         expected = "flex attention" if preset == "gemma3-270m" else "cudnn split"  # Gemma: D 256, windows
-        assert engine.backends()["prefill_attention"] == expected
+        assert engine.backends()["prefill_attention"].startswith(expected)
     assert outs[0] == outs[1]
 
 

@@ -309,7 +309,7 @@ def test_chunk_cudnn_split_matches_reference(D, heads, offset, T):
     assert err <= 2 * torch_err + 1e-5, f"cudnn error {err:.2e} vs torch bf16 error {torch_err:.2e}"
 
 
-@pytest.mark.parametrize("T", [1, 13, 38, 64, 65, 100, 300], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("T", [1, 13, 38, 64, 65, 100, 127, 128, 129, 200, 300], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("window", [None, 512], ids=lambda w: f"W{w}")
 @pytest.mark.gpu
 @requires_cuda

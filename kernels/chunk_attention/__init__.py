@@ -52,9 +52,15 @@ def _few_queries(q, k_cache, v_cache, offset, *, scale, window=None):
 
 def _pick(device: torch.device, window: int | None, head_dim: int = 128, n_queries: int | None = None):
     choice = _choice()
-    if device.type == "cuda" and choice == "auto" and n_queries is not None and n_queries <= FEW_QUERIES \
-            and head_dim <= 256:
+    picked = _pick_long(device, window, head_dim, choice)
+    # Flex's query tile is 128: below it (head_dim 256) it failed to lower at every length tried (38, 65, 100).
+    few = FEW_QUERIES if picked is not _flex_impl() else 127
+    if device.type == "cuda" and choice == "auto" and n_queries is not None and n_queries <= few and head_dim <= 256:
         return _few_queries
+    return picked
+
+
+def _pick_long(device: torch.device, window: int | None, head_dim: int, choice: str):
     if device.type != "cuda" or choice == "reference":
         return chunk_attention_reference
     if window is None and choice == "sdpa":
@@ -90,4 +96,4 @@ def chunk_attention_backend(device: torch.device, windows: bool = False, head_di
     sliding = names[_pick(device, 512, head_dim)]
     text = full if not windows or sliding == full else f"{full}; sliding-window layers: {sliding}"
     few = _pick(device, None, head_dim, 1) is _few_queries
-    return text + (f"; chunks of <= {FEW_QUERIES} tokens: triton split-KV" if few else "")
+    return text + ("; short chunks: triton split-KV" if few else "")
