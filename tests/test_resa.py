@@ -109,7 +109,8 @@ def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
 
 @pytest.mark.parametrize("key,value,message", [
     ("keep_ratio", 0, "keep_ratio"), ("keep_ratio", 1.5, "keep_ratio"), ("block_size", 12, "block_size"),
-    ("local_blocks", 0, "local_blocks"), ("min_blocks", 0, "min_blocks"), ("rectify_every", -1, "rectify_every"),
+    ("local_blocks", 0, "local_blocks"), ("min_blocks", 1, "min_blocks"), ("rectify_every", -1, "rectify_every"),
+    ("sink_blocks", -1, "sink_blocks"),
 ])
 def test_bad_config_names_the_key(key, value, message):
     with pytest.raises(ConfigError, match=message):

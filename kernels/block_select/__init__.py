@@ -2,7 +2,8 @@
 
 Per KV head, the query heads of its GQA group are averaged into one query q, and every block i gets Quest's
 upper bound on q.k over the block, sum_d max(q_d * kmax_id, q_d * kmin_id). The last `local_blocks` blocks
-are always kept, and k = max(ceil(n_blocks * keep_ratio), min(n_blocks, min_blocks)) blocks are kept in all.
+are always kept (and the first `sink_blocks`, an option beyond the paper: attention-sink tokens), and
+k = max(ceil(n_blocks * keep_ratio), min(n_blocks, min_blocks)) blocks are kept in all.
 The result has a fixed width (static shapes: the k of the cache's capacity), holds the kept block indices in
 ascending order and is padded with -1. Triton on CUDA (no host sync, CUDA-graph safe), the reference elsewhere.
 """

@@ -10,14 +10,16 @@ import torch
 
 @dataclass(frozen=True)
 class KeepRule:
-    """How many blocks a query keeps: k = max(ceil(n * keep_ratio), min(n, min_blocks)), local ones included.
+    """How many blocks a query keeps: k = max(ceil(n * keep_ratio), min(n, min_blocks)), forced ones included.
 
-    keep_ratio is held as an exact fraction so that the host, the reference and the kernel agree on k.
+    The last `local_blocks` and the first `sink_blocks` blocks are always kept (forced). keep_ratio is held as
+    an exact fraction so that the host, the reference and the kernel agree on k.
     """
 
     keep_ratio: float
     min_blocks: int
     local_blocks: int
+    sink_blocks: int = 0
 
     @property
     def ratio(self) -> tuple[int, int]:
@@ -30,15 +32,15 @@ class KeepRule:
 
 
 def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
-                 block_size: int, local_blocks: int) -> torch.Tensor:
-    """Scores [B, Hkv, NB] fp32: Quest's bound for blocks before the local ones, +inf local, -inf past the end."""
+                 block_size: int, local_blocks: int, sink_blocks: int = 0) -> torch.Tensor:
+    """Scores [B, Hkv, NB] fp32: Quest's bound, +inf for the forced (local and sink) blocks, -inf past the end."""
     B, Hq, D = q.shape
     Hkv, NB = kmax.shape[1], kmax.shape[2]
     qbar = q.float().view(B, Hkv, Hq // Hkv, D).mean(dim=2)[:, :, None, :]  # [B, Hkv, 1, D]
     s = torch.maximum(qbar * kmax.float(), qbar * kmin.float()).sum(dim=-1)  # [B, Hkv, NB]
     n_blocks = (length + block_size - 1) // block_size  # [B]
     idx = torch.arange(NB, device=q.device)
-    local = (idx >= (n_blocks - local_blocks)[:, None]) & (idx < n_blocks[:, None])  # [B, NB]
+    local = ((idx >= (n_blocks - local_blocks)[:, None]) | (idx < sink_blocks)) & (idx < n_blocks[:, None])
     s = torch.where(local[:, None], float("inf"), s)
     return s.masked_fill(~(idx < n_blocks[:, None])[:, None], float("-inf"))
 
@@ -47,7 +49,8 @@ def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, lengt
                   block_size: int, rule: KeepRule, width: int) -> torch.Tensor:
     """See kernels.block_select.select_blocks. Ties are broken by torch.topk (the kernel: lowest index)."""
     B, Hkv = kmax.shape[:2]
-    scores = block_scores(q, kmax, kmin, length, block_size=block_size, local_blocks=rule.local_blocks)
+    scores = block_scores(q, kmax, kmin, length, block_size=block_size, local_blocks=rule.local_blocks,
+                          sink_blocks=rule.sink_blocks)
     out = torch.full((B, Hkv, width), -1, dtype=torch.int32, device=q.device)
     for b, n in enumerate(length.tolist()):
         k = rule.keep(-(-n // block_size))

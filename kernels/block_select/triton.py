@@ -23,7 +23,7 @@ _SELECT_TILE = 2048  # scores per pass step of the selection program
 
 @triton.jit
 def _block_scores_kernel(
-    Q, Kmax, Kmin, Length, Scores, n_kv_heads, n_q_heads, n_blocks_cap, local_blocks,
+    Q, Kmax, Kmin, Length, Scores, n_kv_heads, n_q_heads, n_blocks_cap, local_blocks, sink_blocks,
     stride_qb, stride_qh, stride_db, stride_dh, stride_dn,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
 ):
@@ -38,7 +38,7 @@ def _block_scores_kernel(
                 mask=offs_g[:, None] < GROUP, other=0.0).to(tl.float32)
     qbar = tl.sum(q, 0) / GROUP  # [HEAD_DIM]
     offs = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
-    scored = offs < n_blocks - local_blocks
+    scored = (offs < n_blocks - local_blocks) & (offs >= sink_blocks)
     base = b * stride_db + h * stride_dh + offs[:, None] * stride_dn + offs_d[None, :]
     top = tl.load(Kmax + base, mask=scored[:, None], other=0.0).to(tl.float32)
     bottom = tl.load(Kmin + base, mask=scored[:, None], other=0.0).to(tl.float32)
@@ -127,7 +127,7 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     num, den = rule.ratio
     with launch_context(q.device):
         _block_scores_kernel[(B * Hkv, triton.cdiv(NB, _SCORE_TILE))](
-            q, kmax, kmin, length, scores, Hkv, Hq, NB, rule.local_blocks,
+            q, kmax, kmin, length, scores, Hkv, Hq, NB, rule.local_blocks, rule.sink_blocks,
             q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2),
             GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
             TILE=_SCORE_TILE, num_warps=4,

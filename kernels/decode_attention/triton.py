@@ -32,7 +32,7 @@ def _decode_attention_fwd_kernel(
     Q, K, V, Length, Out_part, Lse_part,
     qk_scale, window, n_kv_heads, n_q_heads, num_splits,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    GROUP: tl.constexpr, N_QUERIES: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    N_QUERIES, GROUP: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
@@ -163,7 +163,7 @@ def decode_attention_triton(
             scale * _LOG2E, window or 0, Hkv, Hq, num_splits,
             q4.stride(0), q4.stride(1), q4.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            GROUP=group, N_QUERIES=T, ROWS_PAD=rows_pad, HEAD_DIM=D,
+            T, GROUP=group, ROWS_PAD=rows_pad, HEAD_DIM=D,
             BLOCK_N=_BLOCK_N, HAS_WINDOW=window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
