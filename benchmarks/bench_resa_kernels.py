@@ -79,14 +79,57 @@ def bench(shape: str, length: int, rule: KeepRule) -> dict:
             "dense_gb_per_s": kv_bytes / 1e9 / (ms["dense_attention"] / 1e3)}
 
 
+def sweep_sparse(shape: str = "llama-3.1-8b", length: int = 131072) -> list[dict]:
+    """Tile, pipeline depth and programs per SM of the block-sparse kernel, at one shape and length."""
+    import kernels.sparse_decode_attention.triton as sparse
+
+    Hq, Hkv, D = SHAPES[shape]
+    opts = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, Hq, D, **opts)
+    k = torch.randn(1, Hkv, length, D, **opts)
+    v = torch.randn(1, Hkv, length, D, **opts)
+    rule = KeepRule(0.1, 16, 1)
+    width = rule.keep(triton.cdiv(length, BLOCK))
+    blocks = torch.sort(torch.randperm(triton.cdiv(length, BLOCK), device="cuda")[:width]).values
+    blocks = blocks.to(torch.int32).expand(1, Hkv, -1).contiguous()
+    n = torch.tensor([length], device="cuda")
+    saved = (sparse._BLOCK_N, sparse._NUM_STAGES, sparse._PROGRAMS_PER_SM, sparse._NUM_WARPS)
+    rows = []
+    for block_n in (64, 128):
+        for stages in (2, 3, 4):
+            for per_sm in (2, 4, 8):
+                for warps in (4, 8):
+                    sparse._BLOCK_N, sparse._NUM_STAGES, sparse._PROGRAMS_PER_SM, sparse._NUM_WARPS = \
+                        block_n, stages, per_sm, warps
+                    fn = lambda: sparse_decode_attention(q, k, v, blocks, n, block_size=BLOCK, scale=D**-0.5)  # noqa: E731
+                    try:
+                        with torch.cuda.stream(torch.cuda.Stream()):
+                            ms = do_bench_cudagraph(fn, rep=50, return_mode="median")
+                    except Exception as e:  # a config that does not fit (shared memory) is skipped
+                        print(f"sparse BLOCK_N {block_n} stages {stages} per_sm {per_sm} warps {warps}: {e}")
+                        continue
+                    rows.append({"block_n": block_n, "stages": stages, "programs_per_sm": per_sm, "warps": warps,
+                                 "ms": ms})
+                    print(f"sparse BLOCK_N {block_n} stages {stages} per_sm {per_sm} warps {warps}: {ms:.4f} ms",
+                          flush=True)
+    sparse._BLOCK_N, sparse._NUM_STAGES, sparse._PROGRAMS_PER_SM, sparse._NUM_WARPS = saved
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep-ratio", type=float, default=0.1)
+    parser.add_argument("--sweep-sparse", action="store_true", help="only sweep the sparse kernel's tiling")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/bench_resa_kernels.py needs a CUDA device")
-    rule = KeepRule(args.keep_ratio, 16, 1)
+    if args.sweep_sparse:
+        rows = sweep_sparse()
+        if args.out:
+            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2) + "\n")
+        return
+    rule = KeepRule(args.keep_ratio, 16, 1, 1)
     rows = []
     cols = ("dense_attention", "descriptor_update", "select", "sparse_attention", "rectify_attention_triton",
             "rectify_attention_sdpa")

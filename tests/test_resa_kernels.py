@@ -366,3 +366,23 @@ def test_sparse_step_in_a_cuda_graph_follows_length():
         assert ((blocks >= 0).sum(-1).cpu() == (ref_blocks >= 0).sum(-1)).all()
         ref = sparse_ref(q.float(), keys.float(), values.float(), blocks, length, block_size=BS, scale=D**-0.5)
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_select_triton_long_context_multipass():
+    """Past 16384 blocks the selection searches in passes over L2 instead of registers: same contract."""
+    from kernels.block_select.triton import _RESIDENT_MAX, select_blocks_triton
+
+    L = (_RESIDENT_MAX + 3000) * BS + 5
+    q, _, _, kmax, kmin, length = _problem(1, 4, L, 64, torch.bfloat16)
+    rule = KeepRule(0.1, 16, 1, 1)
+    width = rule.keep(kmax.shape[2])
+    got = select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width).cpu()
+    scores = block_scores(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, local_blocks=1, sink_blocks=1)
+    for h in range(2):
+        kept = got[0, h][got[0, h] >= 0].long()
+        assert kept.numel() == rule.keep(-(-L // BS)) and 0 in kept.tolist()
+        dropped = torch.ones(-(-L // BS), dtype=torch.bool)
+        dropped[kept] = False
+        assert scores[0, h, kept].min() >= scores[0, h, :-(-L // BS)][dropped].max() - 1e-3

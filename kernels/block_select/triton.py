@@ -2,10 +2,11 @@
 
 1. `_block_scores_kernel`, one program per (batch, kv head, tile of blocks): the group-averaged query against
    the tile's max/min descriptors. Blocks past the end are not read.
-2. `_block_topk_kernel`, one program per (batch, kv head): finds the k-th largest score exactly by a 32-step
-   binary search over the scores' order-preserving integer keys (k is computed on the device from `length`),
-   then writes the blocks scoring above it, plus as many ties as needed (lowest index first), in ascending
-   order, and pads with -1. The scores of one head (n_blocks fp32) stay in L2 for the 34 passes.
+2. `_block_topk_resident_kernel`, one program per (batch, kv head): finds the k-th largest score exactly by a
+   32-step binary search over the scores' order-preserving integer keys, held in registers (k is computed on
+   the device from `length`), then writes the blocks scoring above it, plus as many ties as needed (lowest
+   index first), in ascending order, and pads with -1. Past _RESIDENT_MAX blocks, `_block_topk_kernel` does
+   the same in passes over the scores (which stay in L2).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from kernels._triton_common import check_device, launch_context
 from kernels.block_select.reference import KeepRule
 
 _SCORE_TILE = 64  # blocks per scoring program
-_SELECT_TILE = 2048  # scores per pass step of the selection program
+_SELECT_TILE = 2048  # scores per pass step of the selection program (long contexts)
+# Up to this many blocks (256K tokens of 16) one program holds a head's scores in registers for the search.
+_RESIDENT_MAX = 16384
 
 
 @triton.jit
@@ -102,6 +105,39 @@ def _block_topk_kernel(
         tl.store(out_row + offs, tl.full([TILE], -1, tl.int32), mask=(offs >= k) & (offs < width))
 
 
+@triton.jit
+def _block_topk_resident_kernel(
+    Scores, Length, Out, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
+    BLOCK: tl.constexpr, NB_PAD: tl.constexpr, W_PAD: tl.constexpr,
+):
+    """_block_topk_kernel for up to NB_PAD blocks: the scores are loaded once and searched in registers."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    b = pid_bh // n_kv_heads
+    length = tl.load(Length + b).to(tl.int64)
+    n_blocks = tl.cdiv(length, BLOCK)
+    k = tl.maximum(tl.cdiv(n_blocks * ratio_num, ratio_den), tl.minimum(n_blocks, min_blocks))
+    offs = tl.arange(0, NB_PAD)
+    inside = offs < n_blocks
+    u = tl.load(Scores + pid_bh * n_blocks_cap + offs, mask=inside, other=float("-inf")).to(tl.int32, bitcast=True)
+    key = u ^ ((u >> 31) & 0x7FFFFFFF)  # int32 with the order of the fp32 scores
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483648, tl.int64)
+    for _ in range(32):
+        mid = (lo + hi) >> 1
+        enough = tl.sum(((key >= mid.to(tl.int32)) & inside).to(tl.int32), 0) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    thr = lo.to(tl.int32)
+    gt = (key > thr) & inside
+    eq = (key == thr) & inside
+    take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= k - tl.sum(gt.to(tl.int32), 0)))
+    slot = tl.cumsum(take.to(tl.int32), 0) - 1
+    out_row = Out + pid_bh * width
+    tl.store(out_row + slot, offs.to(tl.int32), mask=take)
+    offs_w = tl.arange(0, W_PAD)
+    tl.store(out_row + offs_w, tl.full([W_PAD], -1, tl.int32), mask=(offs_w >= k) & (offs_w < width))
+
+
 def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                          block_size: int, rule: KeepRule, width: int) -> torch.Tensor:
     """Same contract as reference.select_blocks; CUDA-graph capturable."""
@@ -132,8 +168,16 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
             GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
             TILE=_SCORE_TILE, num_warps=4,
         )
-        _block_topk_kernel[(B * Hkv,)](
-            scores, length, out, NB, width, num, den, rule.min_blocks, Hkv,
-            BLOCK=block_size, TILE=_SELECT_TILE, num_warps=8,
-        )
+        if NB <= _RESIDENT_MAX:
+            nb_pad = max(16, triton.next_power_of_2(NB))
+            _block_topk_resident_kernel[(B * Hkv,)](
+                scores, length, out, NB, width, num, den, rule.min_blocks, Hkv,
+                BLOCK=block_size, NB_PAD=nb_pad, W_PAD=max(16, triton.next_power_of_2(width)),
+                num_warps=min(16, max(4, nb_pad // 1024)),
+            )
+        else:
+            _block_topk_kernel[(B * Hkv,)](
+                scores, length, out, NB, width, num, den, rule.min_blocks, Hkv,
+                BLOCK=block_size, TILE=_SELECT_TILE, num_warps=8,
+            )
     return out
