@@ -15,6 +15,7 @@ paper's measure), and the mean |NLL - dense NLL| per bucket.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -59,6 +60,7 @@ def main() -> None:
     lm = load_model(args.model, device="auto", dtype="auto")
     bos = [lm.tokenizer.bos_token_id] if lm.tokenizer.bos_token_id is not None else []
     nll = {name: [] for name in CONFIGS}
+    used = {}
     for i, passage in enumerate(passages(lm.tokenizer, args.samples, args.context + args.generate - len(bos))):
         doc = torch.tensor(bos + passage[:args.context - len(bos)])
         targets = passage[args.context - len(bos):]
@@ -66,6 +68,7 @@ def main() -> None:
             if profile == "resa":
                 overrides = {**overrides, "keep_ratio": args.keep_ratio}
             prof = resolve_profile(profile, overrides)
+            used[name] = {"profile": profile, **dataclasses.asdict(prof.engine_config)}
             engine = ENGINES[prof.engine](lm, prof.engine_config, prof.run)
             state = engine.prefill(doc, reserve=len(targets))
             nll[name].append(engine.teacher_forced_nll(state, torch.tensor([], dtype=torch.long), targets))
@@ -89,7 +92,7 @@ def main() -> None:
               "model": args.model or "gemma3-270m", "environment": environment(), "context_tokens": args.context,
               "generated_tokens": args.generate, "samples": args.samples, "bucket": args.bucket,
               "keep_ratio": args.keep_ratio, "source": "samples/haystack (Austen, public domain), teacher forcing",
-              "summary": summary, "nll": nll}
+              "configs": used, "summary": summary, "nll": nll}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
