@@ -124,10 +124,13 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/bench_resa_kernels.py needs a CUDA device")
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(["python3", *sys.argv])}
     if args.sweep_sparse:
         rows = sweep_sparse()
         if args.out:
-            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2) + "\n")
+            args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
         return
     rule = KeepRule(args.keep_ratio, 16, 1, 1)
     rows = []
@@ -141,10 +144,7 @@ def main() -> None:
             print(f"{shape:<13} {length:>7} " + " ".join(f"{r['ms'][c]:16.4f}" for c in cols)
                   + f"  {r['speedup_estimation_plus_sparse_vs_dense']:.2f}x", flush=True)
             torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["python3", *sys.argv]), "keep_ratio": args.keep_ratio, "block_size": BLOCK,
-              "rows": rows}
+    result = {**meta, "keep_ratio": args.keep_ratio, "sink_blocks": 1, "block_size": BLOCK, "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 

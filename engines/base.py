@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 from transformers.modeling_utils import AttentionInterface
 
-from engines.cache import StaticKVCache
+from engines.cache import StaticKVCache, layer_types
 from engines.decoding import DecodeStep, Sampler
 
 
@@ -62,7 +62,7 @@ class Engine(ABC):
         self.device = self.model.get_input_embeddings().weight.device
         self.head_dim = getattr(self.text_config, "head_dim", None) or (
             self.text_config.hidden_size // self.text_config.num_attention_heads)
-        self.has_sliding_layers = "sliding_attention" in (getattr(self.text_config, "layer_types", None) or [])
+        self.has_sliding_layers = "sliding_attention" in layer_types(self.model.config)
         self.single_device = len({p.device for p in self.model.parameters()}) == 1
 
     @staticmethod
@@ -87,7 +87,7 @@ class Engine(ABC):
     def kv_read_bytes(cls, model_config, n_tokens: int, dtype_bytes: int) -> int:
         """Bytes of KV one decode step reads at context n_tokens (sliding-window layers read their window)."""
         text = model_config.get_text_config(decoder=True)
-        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        types = layer_types(model_config)
         window = getattr(text, "sliding_window", None) or n_tokens
         per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // text.num_hidden_layers
         return sum(per_token_layer * (min(window, n_tokens) if t == "sliding_attention" else n_tokens)
@@ -131,17 +131,25 @@ class Engine(ABC):
         _sync(self.device)
         return DocumentState(cache, ids.numel(), ids.numel(), logits, time.perf_counter() - start)
 
+    def _encode_question(self, state: DocumentState, question_ids: torch.Tensor, n_new: int) -> torch.Tensor:
+        """The question through the chunk path after the document; checks room for n_new more tokens.
+
+        Returns the logits after the question [1, V] (the document's last logits for an empty question).
+        """
+        self.activate()
+        logits = self._extend(state.cache, question_ids, state.position) if question_ids.numel() else state.last_logits
+        state.position += question_ids.numel()
+        if state.position + n_new > state.cache.capacity:
+            raise ValueError(f"KV cache of {state.cache.capacity} tokens has no room for {n_new} new tokens")
+        return logits
+
     @torch.inference_mode()
     def answer(self, state: DocumentState, question_ids: torch.Tensor, max_new_tokens: int,
                sampler: Sampler) -> Iterator[int]:
         """Yields generated token ids; the caller stops early by closing the generator."""
-        self.activate()
-        logits = self._extend(state.cache, question_ids, state.position) if question_ids.numel() else state.last_logits
-        state.position += question_ids.numel()
+        logits = self._encode_question(state, question_ids, max_new_tokens)
         if sampler.temperature > 0:
             torch.manual_seed(sampler.seed)
-        if state.position + max_new_tokens > state.cache.capacity:
-            raise ValueError(f"KV cache of {state.cache.capacity} tokens has no room for {max_new_tokens} new tokens")
         token = int(sampler(logits).item())
         step = self._decode_step(state, sampler) if max_new_tokens > 1 else None
         for produced in range(max_new_tokens):
@@ -165,11 +173,7 @@ class Engine(ABC):
         an engine's next-token distribution drifts from dense over a long generation (the ReSA paper's
         language-modelling setup). Returns len(targets) values.
         """
-        self.activate()
-        logits = self._extend(state.cache, question_ids, state.position) if question_ids.numel() else state.last_logits
-        state.position += question_ids.numel()
-        if state.position + len(targets) > state.cache.capacity:
-            raise ValueError(f"KV cache of {state.cache.capacity} tokens has no room for {len(targets)} targets")
+        logits = self._encode_question(state, question_ids, len(targets))
         nll = [-torch.log_softmax(logits.float(), dim=-1)[0, targets[0]]]
         step = self._decode_step(state, Sampler())
         for i, token in enumerate(targets[:-1]):

@@ -15,6 +15,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
+def layer_types(config) -> list[str]:
+    """Per decoder layer, "full_attention" or "sliding_attention" (models without the field: all full)."""
+    text = config.get_text_config(decoder=True)
+    return getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+
+
 class StaticKVLayer(CacheLayerMixin):
     is_compileable = True
 
@@ -71,10 +77,9 @@ class StaticKVCache(Cache):
     layer_class = StaticKVLayer
 
     def __init__(self, config, capacity: int):
-        text = config.get_text_config(decoder=True)
-        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-        window = getattr(text, "sliding_window", None)
-        layers = [self.layer_class(self, capacity, window if t == "sliding_attention" else None) for t in types]
+        window = getattr(config.get_text_config(decoder=True), "sliding_window", None)
+        layers = [self.layer_class(self, capacity, window if t == "sliding_attention" else None)
+                  for t in layer_types(config)]
         super().__init__(layers=layers)
         self.capacity = capacity
         self.offset = 0  # prefill: first position of the chunk in flight

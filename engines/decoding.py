@@ -35,6 +35,22 @@ class Sampler:
         return (logits + noise).argmax(dim=-1)
 
 
+def capture_graph(run, device: torch.device) -> torch.cuda.CUDAGraph:
+    """Run `run` once on a side stream (compilation, allocations), then capture it as a CUDA graph.
+
+    The warm-up run executes (and writes whatever `run` writes); the capture does not.
+    """
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
 class DecodeStep:
     """One token through the model with static shapes: `token` in, next token left in `token`.
 
@@ -74,17 +90,11 @@ class DecodeStep:
 
     def _capture(self) -> None:
         saved = [t.clone() for t in (self.token, self.position, self.length)]
-        side = torch.cuda.Stream(self.token.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            # Warm-up writes this step's K/V once; the first replay writes the same slot again.
-            self._step()
-        torch.cuda.current_stream().wait_stream(side)
+        # The warm-up writes this step's K/V once and advances the inputs; the first replay writes the same
+        # slot again from the restored inputs.
+        self.graph = capture_graph(self._step, self.token.device)
         for dst, src in zip((self.token, self.position, self.length), saved):
             dst.copy_(src)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._step()
 
     def step(self) -> None:
         if self.graph is not None:
@@ -125,14 +135,7 @@ class StaticForward:
         if not self.use_graph or self.graph is not None:
             return
         self._load([0] * self.n, start)
-        side = torch.cuda.Stream(self.ids.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._run()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._run()
+        self.graph = capture_graph(self._run, self.ids.device)
 
     def __call__(self, ids: list[int], start: int) -> None:
         self._load(ids, start)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.base import DocumentState, Engine, outside_engine_error
-from engines.cache import StaticKVCache, StaticKVLayer
+from engines.cache import StaticKVCache, StaticKVLayer, layer_types
 from engines.decoding import StaticForward
 from kernels.block_descriptors import update_block_descriptors
 from kernels.block_select import KeepRule, select_blocks
@@ -34,8 +34,8 @@ class ResaConfig:
     and a dense rectification every 32 generated tokens (0 = never, the paper's plain sparse decoding).
 
     sink_blocks (not in the paper, 0 there): always keep the first blocks too. Attention sinks (the first
-    tokens) hold 20-80% of the attention mass in Gemma 3 270M's global layers, and Quest's bound does not
-    always rank them in; profiles/resa.yaml keeps 1 (measured, see benchmarks/README.md)."""
+    tokens) held 15-83% of the attention mass in Gemma 3 270M's global layers (measured on CPU at 3K tokens),
+    and Quest's bound does not always rank them in; profiles/resa.yaml keeps 1 (see benchmarks/README.md)."""
 
     block_size: int = 16
     keep_ratio: float = 0.1
@@ -98,6 +98,16 @@ class ResaKVCache(StaticKVCache):
         self._length = {torch.device("cpu"): torch.tensor([offset + n])}
 
 
+def _covered_layers(config) -> int:
+    """Layers resa decodes sparsely: the full-attention ones."""
+    return sum(t != "sliding_attention" for t in layer_types(config))
+
+
+def _token_bytes_per_layer(config, dtype_bytes: int) -> int:
+    """K and V bytes of one token in one layer."""
+    return Engine.memory_plan(config, 1, dtype_bytes) // config.get_text_config(decoder=True).num_hidden_layers
+
+
 def _clock(cache: ResaKVCache, key: str, start: float) -> float:
     now = time.perf_counter()
     if cache.timed:
@@ -126,9 +136,8 @@ class ResaEngine(Engine):
             # Exact layers, and the rectification pass (n_new tokens re-encoded densely).
             if not layer.is_sliding:
                 update_block_descriptors(key, layer.kmax, layer.kmin, length, n_new, longctx.block_size)
-            q = query[:, :, 0] if n_new == 1 else query
-            out = decode_attention(q, key, value, length, scale=scaling, window=sliding_window)
-            return (out.unsqueeze(1) if n_new == 1 else out.transpose(1, 2)), None
+            out = decode_attention(query, key, value, length, scale=scaling, window=sliding_window)
+            return out.transpose(1, 2), None
         start = time.perf_counter()
         update_block_descriptors(key, layer.kmax, layer.kmin, length, 1, longctx.block_size)
         blocks = select_blocks(query[:, :, 0], layer.kmax, layer.kmin, length, block_size=longctx.block_size,
@@ -147,34 +156,20 @@ class ResaEngine(Engine):
     @classmethod
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
         """The KV cache plus, on full-attention layers, max and min descriptors: 2/block_size of the keys."""
-        block = (engine_config or ResaConfig()).block_size
-        text = model_config.get_text_config(decoder=True)
-        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        per_layer = 2 * text.num_key_value_heads * head_dim * (-(-n_tokens // block)) * dtype_bytes
-        covered = sum(t != "sliding_attention" for t in types)
-        return super().memory_plan(model_config, n_tokens, dtype_bytes) + covered * per_layer
+        n_blocks = -(-n_tokens // (engine_config or ResaConfig()).block_size)
+        # A block's max and min keys together take the bytes of one token's K and V.
+        descriptors = _covered_layers(model_config) * _token_bytes_per_layer(model_config, dtype_bytes) * n_blocks
+        return super().memory_plan(model_config, n_tokens, dtype_bytes) + descriptors
 
     def kv_read_bytes(self, model_config, n_tokens: int, dtype_bytes: int) -> int:
         """Per decode step: kept blocks + descriptors on covered layers, windows elsewhere, plus 1/f of the
         dense rectification pass over the whole cache (amortised)."""
-        text = model_config.get_text_config(decoder=True)
-        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-        window = getattr(text, "sliding_window", None) or n_tokens
-        per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // text.num_hidden_layers
-        block = self.config.block_size
+        block, every = self.config.block_size, self.config.rectify_every
         n_blocks = -(-n_tokens // block)
         kept = min(n_tokens, self.config.rule.keep(n_blocks) * block)
-        total = 0
-        for t in types:
-            if t == "sliding_attention":
-                total += per_token_layer * min(window, n_tokens)
-            else:
-                # Descriptors: max and min per block, each the size of one key = one K/V token's half.
-                total += per_token_layer * (kept + n_blocks)
-                if self.config.rectify_every:
-                    total += per_token_layer * n_tokens // self.config.rectify_every
-        return total
+        sparse = kept + n_blocks + (n_tokens // every if every else 0)  # token equivalents per covered layer
+        covered = _covered_layers(model_config) * _token_bytes_per_layer(model_config, dtype_bytes)
+        return Engine.kv_read_bytes(model_config, n_tokens, dtype_bytes) + covered * (sparse - n_tokens)
 
     def backends(self) -> dict[str, str]:
         return {"prefill_attention": chunk_attention_backend(self.device, self.has_sliding_layers, self.head_dim),
@@ -224,12 +219,10 @@ class ResaEngine(Engine):
 
     def counters(self, state: DocumentState) -> dict:
         data = state.engine_data
-        text = self.text_config
-        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-        covered = sum(t != "sliding_attention" for t in types)
+        covered, total = _covered_layers(self.model.config), len(layer_types(self.model.config))
         out = {**super().counters(state),
-               "sparse_layers": f"{covered}/{len(types)}" + ("" if covered == len(types) else
-                                                            " (sliding-window layers stay exact)"),
+               "sparse_layers": f"{covered}/{total}" + ("" if covered == total else
+                                                       " (sliding-window layers stay exact)"),
                "block_size": self.config.block_size, "sink_blocks": self.config.sink_blocks,
                "selection_width_blocks": state.cache.width}
         steps = data.get("steps", 0)

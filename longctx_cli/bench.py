@@ -9,6 +9,7 @@ here later as rows with `task`, `length`, `score`, `dense_score`.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import gc
 import json
@@ -87,6 +88,8 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
     engines = [(profile, ENGINES[profile.engine](lm, profile.engine_config, profile.run))]
     if baseline is not None:
         engines.append((baseline, ENGINES[baseline.engine](lm, baseline.engine_config, baseline.run)))
+    # The parameters in effect, not just profile names: a profile file may change after the run.
+    settings = {prof.name: {"engine": prof.engine, **dataclasses.asdict(prof.engine_config)} for prof, _ in engines}
     if tasks:
         from longctx_cli import accuracy
 
@@ -95,7 +98,7 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
                                        max_new_tokens=profile.run.max_new_tokens, layout=layout, stop=profile.run.stop)
         result = {"command": " ".join(["longctx", *argv[1:]]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
                   "model": model or "gemma3-270m", "random_weights": lm.random_weights,
-                  "environment": environment(), "mode": "accuracy", **result}
+                  "environment": environment(), "mode": "accuracy", "engine_settings": settings, **result}
         accuracy.render(result, f"accuracy: {result['model']}" + (f" ({RANDOM_NOTE})" if lm.random_weights else ""))
         if plot_path:
             accuracy.plot(result, plot_path)
@@ -121,7 +124,7 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
             rows.append(row)
     result = {"command": " ".join(["longctx", *argv[1:]]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
               "model": model or "gemma3-270m", "random_weights": lm.random_weights, "environment": environment(),
-              "hbm_bytes_per_s": bandwidth, "decode_steps": steps, "rows": rows}
+              "engine_settings": settings, "hbm_bytes_per_s": bandwidth, "decode_steps": steps, "rows": rows}
     if lm.random_weights:
         result["note"] = RANDOM_NOTE
     _table(result)
