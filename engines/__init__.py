@@ -2,5 +2,6 @@
 
 from engines.dense import DenseEngine
 from engines.resa import ResaEngine
+from engines.star import StarEngine
 
-ENGINES = {cls.name: cls for cls in (DenseEngine, ResaEngine)}
+ENGINES = {cls.name: cls for cls in (DenseEngine, ResaEngine, StarEngine)}

@@ -39,6 +39,10 @@ class DocumentState:
     engine_data: dict = field(default_factory=dict)  # an engine's own per-document state
 
 
+class EngineInputError(ValueError):
+    """A document this engine's configuration cannot take (e.g. star: more ranks than blocks); one line."""
+
+
 def outside_engine_error() -> RuntimeError:
     # transformers builds no mask for a registered attention function, so running it outside an engine's own
     # forward (e.g. `model.generate`) would silently drop causal and sliding-window masking.

@@ -15,7 +15,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from engines import ENGINES
 from engines.decoding import Sampler
-from longctx_cli.errors import ContextTooLongError, InputError, OutOfMemoryError
+from engines.base import EngineInputError
+from longctx_cli.errors import ConfigError, ContextTooLongError, InputError, OutOfMemoryError
 from longctx_cli.inputs import Document, collect_documents, iter_text, tokenize_stream
 from longctx_cli.models import load_config, load_model, load_tokenizer, max_context
 from longctx_cli.prompt import AnswerText, build_layout
@@ -43,7 +44,8 @@ class Session:
 
     def __init__(self, opts: AskOptions):
         self.opts, self.run = opts, opts.profile.run
-        self.tokenizer = load_tokenizer(opts.model, progress=lambda msg: err.print(f"[dim]{msg}...[/]"))
+        self.say = (lambda msg: None) if opts.quiet else (lambda msg: err.print(f"[dim]{msg}...[/]"))
+        self.tokenizer = load_tokenizer(opts.model, progress=self.say)
         self.max_context = max_context(load_config(opts.model))
         self.lm = None
         self.engine = None
@@ -51,7 +53,7 @@ class Session:
     def ensure_engine(self):
         if self.engine is None:
             self.lm = load_model(self.opts.model, device=self.run.device, dtype=self.run.dtype,
-                                 tokenizer=self.tokenizer, progress=lambda msg: err.print(f"[dim]{msg}...[/]"))
+                                 tokenizer=self.tokenizer, progress=self.say)
             cls = ENGINES[self.opts.profile.engine]
             self.engine = cls(self.lm, self.opts.profile.engine_config, self.run)
         return self.engine
@@ -90,8 +92,11 @@ def _answer_one(session: Session, name: str, docs: list[Document], layout, repor
                   TimeRemainingColumn(), console=err, transient=True, disable=opts.quiet) as bar:
         task = bar.add_task(name, total=ids.numel())
         start = time.perf_counter()
-        state = engine.prefill(ids, reserve=layout.question_ids.numel() + run.max_new_tokens,
-                               progress=lambda n: bar.advance(task, n))
+        try:
+            state = engine.prefill(ids, reserve=layout.question_ids.numel() + run.max_new_tokens,
+                                   progress=lambda n: bar.advance(task, n))
+        except EngineInputError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
     report.timings.prefill_s = state.prefill_s
     text = AnswerText(session.tokenizer, layout.stop_strings, layout.stop_ids)
     sampler = Sampler(run.temperature, run.top_p, run.seed)
@@ -165,7 +170,7 @@ def run_ask(opts: AskOptions) -> int:
             if "can't allocate memory" in str(exc) or "out of memory" in str(exc).lower():
                 raise _oom_error(exc, session, report.tokens_in) from None
             raise
-        except (InputError, ContextTooLongError) as exc:
+        except (InputError, ContextTooLongError, ConfigError) as exc:
             if len(groups) == 1:
                 raise
             failures += 1

@@ -23,6 +23,7 @@ from rich.table import Table
 
 from engines import ENGINES
 from engines.decoding import Sampler
+from longctx_cli import distributed
 from longctx_cli.models import load_model
 from longctx_cli.plan import parse_count
 from longctx_cli.report import RANDOM_NOTE, environment, memory_snapshot, reset_peaks
@@ -86,7 +87,10 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
     lm = load_model(model, device=profile.run.device, dtype=profile.run.dtype,
                     progress=lambda m: err.print(f"[dim]{m}...[/]"))
     engines = [(profile, ENGINES[profile.engine](lm, profile.engine_config, profile.run))]
-    if baseline is not None:
+    # Several ranks (star --gpus N): every rank runs the engine, the baseline runs on the query rank alone (one
+    # GPU), which also prints and writes the results.
+    lead = distributed.is_query_rank()
+    if baseline is not None and lead:
         engines.append((baseline, ENGINES[baseline.engine](lm, baseline.engine_config, baseline.run)))
     # The parameters in effect, not just profile names: a profile file may change after the run.
     settings = {prof.name: {"engine": prof.engine, **dataclasses.asdict(prof.engine_config)} for prof, _ in engines}
@@ -99,10 +103,11 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
         result = {"command": " ".join(["longctx", *argv[1:]]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
                   "model": model or "gemma3-270m", "random_weights": lm.random_weights,
                   "environment": environment(), "mode": "accuracy", "engine_settings": settings, **result}
-        accuracy.render(result, f"accuracy: {result['model']}" + (f" ({RANDOM_NOTE})" if lm.random_weights else ""))
-        if plot_path:
-            accuracy.plot(result, plot_path)
-        _write(result, json_path)
+        if lead:
+            accuracy.render(result, f"accuracy: {result['model']}" + (f" ({RANDOM_NOTE})" if lm.random_weights else ""))
+            if plot_path:
+                accuracy.plot(result, plot_path)
+            _write(result, json_path)
         return result
     on_gpu = engines[0][1].device.type == "cuda"
     bandwidth = copy_bandwidth(engines[0][1].device) if on_gpu else None
@@ -115,7 +120,9 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
             # An identical warm-up run absorbs kernel compilation (per shape) and graph capture.
             measure(engine, ids, steps)
             err.print(f"[dim]{prof.name}: {length:,} tokens...[/]")
-            row = {"engine": prof.engine, "profile": prof.name, "context_tokens": length, **measure(engine, ids, steps)}
+            ranks = getattr(engine, "world", 1)
+            row = {"engine": prof.engine, "profile": prof.name, "context_tokens": length, "ranks": ranks,
+                   **measure(engine, ids, steps)}
             if bandwidth:
                 dtype_bytes = next(lm.model.parameters()).element_size()
                 read = _weight_bytes(lm.model) + engine.kv_read_bytes(lm.model.config, length, dtype_bytes)
@@ -127,8 +134,9 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
               "engine_settings": settings, "hbm_bytes_per_s": bandwidth, "decode_steps": steps, "rows": rows}
     if lm.random_weights:
         result["note"] = RANDOM_NOTE
-    _table(result)
-    _write(result, json_path)
+    if lead:
+        _table(result)
+        _write(result, json_path)
     return result
 
 
@@ -146,7 +154,8 @@ def _table(result: dict) -> None:
     for col in ("engine", "context", "prefill s", "tok/s", "decode ms/tok", "peak GiB", "roofline ms", "ratio"):
         table.add_column(col, justify="right")
     for r in result["rows"]:
-        table.add_row(r["engine"], f"{r['context_tokens']:,}", f"{r['prefill_s']:.2f}", f"{r['prefill_tok_s']:,.0f}",
+        engine = r["engine"] + (f" x{r['ranks']} ranks" if r.get("ranks", 1) > 1 else "")
+        table.add_row(engine, f"{r['context_tokens']:,}", f"{r['prefill_s']:.2f}", f"{r['prefill_tok_s']:,.0f}",
                       f"{r['decode_ms_per_token']:.2f}", f"{r['peak_gib']:.2f}",
                       f"{r['roofline_ms']:.2f}" if "roofline_ms" in r else "-",
                       f"{r['roofline_ratio']:.2f}x" if "roofline_ratio" in r else "-")

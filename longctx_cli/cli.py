@@ -27,6 +27,8 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any
 DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")]
 ChunkOpt = Annotated[Optional[int], typer.Option("--chunk-size", help="Prefill chunk length in tokens.")]
+GpusOpt = Annotated[int, typer.Option(
+    "--gpus", help="Star only: run N ranks on this host, one per GPU (gloo processes with --device cpu).")]
 MaxNewOpt = Annotated[Optional[int], typer.Option("--max-new-tokens", "-n", help="Answer length limit.")]
 
 
@@ -53,6 +55,29 @@ def _profile(name: str, sets: list[str] | None, **flags):
     return resolve_profile(name, overrides)
 
 
+def _ranks(prof, gpus: int, model: str | None) -> bool:
+    """--gpus N: start N ranks running this same command (and exit with their code), or, inside a rank, join
+    the world. Returns whether this process must stay quiet (a rank other than the query rank)."""
+    from longctx_cli import distributed
+
+    if gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, not {gpus}")
+    if (gpus > 1 or distributed.in_world()) and prof.engine != "star":
+        raise ConfigError(f"several ranks (--gpus {gpus}) need the star engine, not {prof.engine!r}: --profile star")
+    if gpus > 1 and not distributed.in_world():
+        from longctx_cli.models import resolve_model_dir
+
+        resolve_model_dir(model)  # convert the embedded model once, before the ranks load it
+        raise typer.Exit(distributed.launch(distributed.strip_option(sys.argv[1:], "--gpus"), gpus,
+                                            prof.run.device))
+    if not distributed.in_world():
+        return False
+    prof.run.device = distributed.rank_device(prof.run.device)
+    distributed.init(prof.run.device)
+    distributed.prepare_model(model)
+    return distributed.quiet_unless_query_rank()
+
+
 @app.command()
 def ask(
     paths: Annotated[list[str], typer.Argument(help="Files, folders or - (stdin), then the question last.")],
@@ -72,6 +97,7 @@ def ask(
     encoding_errors: Annotated[str, typer.Option(help="strict, replace or ignore for invalid UTF-8.")] = "strict",
     layout: Annotated[str, typer.Option(help="auto, chat (template) or plain (Question:/Answer:).")] = "auto",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No report, no progress bars.")] = False,
+    gpus: GpusOpt = 1,
 ):
     """Answer QUESTION about each document (or all of them with --concat)."""
     from longctx_cli.ask import AskOptions, run_ask
@@ -84,6 +110,7 @@ def ask(
         raise ConfigError(f"--layout must be auto, chat or plain, not {layout!r}")
     prof = _profile(profile, sets, max_new_tokens=max_new_tokens, chunk_size=chunk_size, device=device,
                     dtype=dtype, temperature=temperature, top_p=top_p, seed=seed)
+    quiet = _ranks(prof, gpus, model) or quiet
     opts = AskOptions(paths[:-1], paths[-1], prof, model=model, glob=glob, concat=concat, json=json_out,
                       encoding_errors=encoding_errors, layout=layout, quiet=quiet)
     raise typer.Exit(run_ask(opts))
@@ -113,6 +140,7 @@ def bench(
     = None,
     max_new_tokens: MaxNewOpt = None,
     layout: Annotated[str, typer.Option(help="auto, chat (template) or plain (Question:/Answer:).")] = "auto",
+    gpus: GpusOpt = 1,
 ):
     """Speed (synthetic contexts) or, with --tasks, accuracy of a profile's engine next to the dense baseline."""
     from longctx_cli.bench import run_bench
@@ -133,6 +161,7 @@ def bench(
     except ValueError:
         raise ConfigError(f"--depths takes numbers between 0 and 1, comma-separated, not {depths!r}") from None
     prof = _profile(profile, sets, device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
+    _ranks(prof, gpus, model)
     base = None if compare in (None, "none", "") or compare == profile else _profile(
         compare, sets, device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
     run_bench(prof, base, model=model, lengths=lengths, steps=steps, json_path=json_out, argv=sys.argv,
@@ -183,12 +212,19 @@ def profiles_show(name: Annotated[str, typer.Argument(help="Profile name or YAML
     print(yaml.dump(_profile(name, sets).as_dict(), Dumper=Dumper, sort_keys=False), end="")
 
 
+def _query_rank() -> bool:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world == 1 or int(os.environ.get("RANK", "0")) == world - 1
+
+
 def main() -> None:
     try:
         # Without standalone mode, click returns a command's `typer.Exit(code)` instead of raising it.
         code = app(standalone_mode=False)
         sys.exit(code if isinstance(code, int) else 0)
     except LongctxError as exc:
+        if not _query_rank():
+            sys.exit(exc.exit_code)  # every rank hit the same error; the query rank says it once
         if DEBUG["on"]:
             err.print_exception()
         # One line whatever the terminal width; the message is text, not rich markup (paths may hold "[...]").

@@ -8,6 +8,7 @@ as tokenizing the whole text; `tokenize_stream` turns those pieces into one int3
 from __future__ import annotations
 
 import codecs
+import os
 import re
 import sys
 from array import array
@@ -85,6 +86,9 @@ def iter_text(
         raise ValueError(f"encoding_errors must be one of {ENCODING_ERRORS}, got {encoding_errors!r}")
     if piece_bytes <= 0:
         raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
+    if doc.path is None and stdin is None and os.environ.get("LONGCTX_STDIN_FILE"):
+        # A rank of a multi-process run: the launcher read stdin once into this file (longctx_cli/distributed.py).
+        stdin = open(os.environ["LONGCTX_STDIN_FILE"], "rb")
     if doc.path is None:
         stream = stdin if stdin is not None else sys.stdin
         yield from _pieces(getattr(stream, "buffer", stream), doc.name, encoding_errors, piece_bytes)

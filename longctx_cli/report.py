@@ -96,12 +96,31 @@ def render(report: Report, console: Console | None = None) -> None:
     for dev, peak in m.get("peak_gpu_bytes", {}).items():
         rows.append((f"peak {dev}", gib(peak)))
     rows += [("host peak RSS", gib(m.get("host_peak_rss_bytes"))), ("KV cache", gib(m.get("kv_cache_bytes")))]
-    rows += [(k.replace("_", " "), str(v)) for k, v in report.counters.items() if k != "kv_cache_bytes"]
+    for key, value in report.counters.items():
+        if key == "kv_cache_bytes":
+            continue
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            # Per-rank (or per-part) records: one line each.
+            rows += [(f"{key.replace('_', ' ')} [{i}]", _record(v)) for i, v in enumerate(value)]
+        else:
+            rows.append((key.replace("_", " "), str(value)))
     if report.error:
         rows.append(("error", f"[red]{escape(report.error)}[/]"))
     for key, value in rows:
         table.add_row(key, value)
     console.print(table)
+
+
+def _record(record: dict) -> str:
+    """A flat record on one line: seconds and bytes in readable units."""
+    def fmt(key: str, value) -> str:
+        if isinstance(value, float) and key.endswith("_s"):
+            return f"{value:.2f} s"
+        if isinstance(value, int) and key.endswith("bytes"):
+            return f"{value / 2**20:,.1f} MiB"
+        return str(value)
+
+    return ", ".join(f"{k.replace('_', ' ')} {fmt(k, v)}" for k, v in record.items())
 
 
 def environment() -> dict:

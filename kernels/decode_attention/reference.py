@@ -18,14 +18,18 @@ def decode_attention(
     scale: float,
     window: int | None = None,
     return_lse: bool = False,
+    q_first: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the queries at positions length-T .. length-1 over keys [0, length).
 
     q: [B, Hq, D] (T = 1) or [B, Hq, T, D]; k_cache, v_cache: [B, Hkv, S, D] with Hq % Hkv == 0; length: [B]
-    int, 0 <= length <= S (0 gives an empty shard for T = 1: out 0, lse -inf). Query t sees keys j with
-    j <= length - T + t, and with a window only those with j > length - T + t - window. Keys at index >=
-    length may hold anything, NaN included. Returns out shaped like q in q's dtype, and with return_lse also
-    lse [B, Hq] or [B, Hq, T] fp32 (natural log of the sum of exp(scaled scores)), computed in fp32.
+    int, 0 <= length <= S (0 gives an empty shard for T = 1: out 0, lse -inf). Query t sits at index
+    first + t, first = length - T by default or q_first ([B] int64) when given: it sees keys j < length with
+    j <= first + t, and with a window only those with j > first + t - window. A q_first >= length attends to a
+    shard of keys that all precede the queries (star's phase 2 on a context rank). Keys at index >= length
+    may hold anything, NaN included. Returns out shaped like q in q's dtype, and with return_lse also
+    lse [B, Hq] or [B, Hq, T] fp32 (natural log of the sum of exp(scaled scores)), computed in fp32; a query
+    that sees no key gets out 0 and lse -inf.
     """
     single = q.dim() == 3
     if single:
@@ -37,8 +41,9 @@ def decode_attention(
     k = k_cache[:, :, :hi].float()
     v = v_cache[:, :, :hi].float()
     pos = torch.arange(hi, device=q.device)
-    last = (length[:, None] - T + torch.arange(T, device=q.device))[:, :, None]  # [B, T, 1]: each query's position
-    valid = pos <= last  # [B, T, hi]
+    first = length - T if q_first is None else q_first
+    last = (first[:, None] + torch.arange(T, device=q.device))[:, :, None]  # [B, T, 1]: each query's index
+    valid = (pos <= last) & (pos < length[:, None, None])  # [B, T, hi]
     if window is not None:
         valid &= pos > last - window
     mask = valid[:, None, None]  # [B, 1, 1, T, hi]: broadcasts over kv heads and the GQA group

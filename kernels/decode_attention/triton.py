@@ -29,11 +29,11 @@ _MAX_ROWS = 64
 
 @triton.jit
 def _decode_attention_fwd_kernel(
-    Q, K, V, Length, Out_part, Lse_part,
+    Q, K, V, Length, QFirst, Out_part, Lse_part,
     qk_scale, window, n_kv_heads, n_q_heads, num_splits,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     N_QUERIES, GROUP: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_QFIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -46,7 +46,10 @@ def _decode_attention_fwd_kernel(
     row_ok = offs_r < GROUP * N_QUERIES
     q_heads = h * GROUP + offs_r // N_QUERIES
     q_tok = offs_r % N_QUERIES
-    first = length - N_QUERIES
+    if HAS_QFIRST:
+        first = tl.load(QFirst + b).to(tl.int64)
+    else:
+        first = length - N_QUERIES
     row_pos = first + q_tok
     kv_lo = tl.zeros_like(length)
     if HAS_WINDOW:
@@ -54,7 +57,8 @@ def _decode_attention_fwd_kernel(
         kv_lo = tl.maximum(first + 1 - window, 0)
     # Partition [kv_lo rounded down to a tile, length) evenly over the splits, in whole tiles.
     part_lo = (kv_lo // BLOCK_N) * BLOCK_N
-    split = tl.cdiv(tl.cdiv(length - part_lo, num_splits), BLOCK_N) * BLOCK_N
+    # Empty when the window starts past the shard's keys (q_first far beyond length): every split writes -inf.
+    split = tl.cdiv(tl.cdiv(tl.maximum(length - part_lo, 0), num_splits), BLOCK_N) * BLOCK_N
     start = part_lo + pid_s * split
     end = tl.minimum(start + split, length)
 
@@ -107,7 +111,7 @@ def num_splits_for(batch: int, n_kv_heads: int, capacity: int, device: torch.dev
     return max(1, min(target, triton.cdiv(capacity, _BLOCK_N), _MAX_SPLITS))
 
 
-def _validate(q, k_cache, v_cache, length, window) -> None:
+def _validate(q, k_cache, v_cache, length, window, q_first) -> None:
     if q.dim() != 4:
         raise ValueError(f"expected q of shape [B, Hq, D] or [B, Hq, T, D], got {tuple(q.shape)}")
     B, Hq, T, D = q.shape
@@ -119,6 +123,8 @@ def _validate(q, k_cache, v_cache, length, window) -> None:
         raise ValueError(f"expected Hq ({Hq}) to be a multiple of Hkv ({k_cache.shape[1]})")
     if length.shape != (B,) or length.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"expected length of shape [{B}] int64, got {tuple(length.shape)} {length.dtype}")
+    if q_first is not None and (q_first.shape != (B,) or q_first.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"expected q_first of shape [{B}] int64, got {tuple(q_first.shape)} {q_first.dtype}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"expected q in float16, bfloat16 or float32, got {q.dtype}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -127,8 +133,9 @@ def _validate(q, k_cache, v_cache, length, window) -> None:
         raise ValueError(f"expected head_dim a power of two in [16, 256], got {D}")
     if window is not None and window < 1:
         raise ValueError(f"expected window >= 1 or None, got {window}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("length", length)):
-        check_device(name, t, q.device)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("length", length), ("q_first", q_first)):
+        if t is not None:
+            check_device(name, t, q.device)
 
 
 def decode_attention_triton(
@@ -140,6 +147,7 @@ def decode_attention_triton(
     scale: float,
     window: int | None = None,
     return_lse: bool = False,
+    q_first: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as reference.decode_attention; CUDA tensors only, CUDA-graph capturable.
 
@@ -148,7 +156,7 @@ def decode_attention_triton(
     """
     single = q.dim() == 3
     q4 = q.unsqueeze(2) if single else q
-    _validate(q4, k_cache, v_cache, length, window)
+    _validate(q4, k_cache, v_cache, length, window, q_first)
     B, Hq, T, D = q4.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
@@ -159,12 +167,12 @@ def decode_attention_triton(
     lse_part = torch.empty(B * Hq * T, num_splits, device=q.device, dtype=torch.float32)
     with launch_context(q.device):
         _decode_attention_fwd_kernel[(B * Hkv, num_splits, triton.cdiv(group * T, rows_pad))](
-            q4, k_cache, v_cache, length, out_part, lse_part,
+            q4, k_cache, v_cache, length, length if q_first is None else q_first, out_part, lse_part,
             scale * _LOG2E, window or 0, Hkv, Hq, num_splits,
             q4.stride(0), q4.stride(1), q4.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             T, GROUP=group, ROWS_PAD=rows_pad, HEAD_DIM=D,
-            BLOCK_N=_BLOCK_N, HAS_WINDOW=window is not None,
+            BLOCK_N=_BLOCK_N, HAS_WINDOW=window is not None, HAS_QFIRST=q_first is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
         )

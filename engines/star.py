@@ -1,0 +1,383 @@
+"""`star`: Star Attention. Blockwise-local context encoding with an anchor block, then global query attention.
+
+Phase 1 (prefill): the document is cut into blocks; every block but the first is encoded after the anchor (the
+document's first `anchor_size` tokens) with causal attention over [anchor | block] only, at the tokens' true
+positions; the anchor's K/V are then ignored and the block's kept. The anchor's K/V are the same for every
+block (it attends only to itself), so they are computed once, by the rank holding block 0, and sent to the
+other ranks layer by layer while that rank is still encoding (one NCCL/gloo broadcast per layer): a rank starts
+on its own block without first re-encoding the anchor.
+Phase 2 (question and answer): every rank runs the model on the new tokens; in every layer each rank attends
+over its own KV shard and returns (out, log-sum-exp), an all-gather brings every shard's partial result to
+every rank, and each merges them by log-sum-exp (the paper's distributed softmax). Only the query rank (the
+last, holding the document's end) stores the new tokens' K/V.
+
+One process (no torch.distributed world) runs the same algorithm with the blocks one after another; its phase 2
+is then exactly dense attention over the concatenated cache. A world of several ranks comes from `longctx ask
+--gpus N` (local ranks) or torchrun; each rank holds a model replica.
+
+Cache layout on a rank: slots [0, kv_start) hold the anchor (ranks > 0 only), then the rank's blocks (contiguous
+positions p0 .. p1, slot = position - shift), then on the query rank the question and the answer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engines.base import DocumentState, Engine, EngineInputError, outside_engine_error
+from engines.cache import StaticKVCache, StaticKVLayer
+from kernels.chunk_attention import chunk_attention, chunk_attention_backend
+from kernels.decode_attention import decode_attention, decode_backend, merge_partials
+
+
+@dataclass
+class StarConfig:
+    """Star Attention's parameters; the paper's default is four blocks with the anchor as large as a block."""
+
+    block_size: int | None = None  # context tokens per block; when set it wins over `blocks`
+    blocks: int = 4  # used when block_size is None: the document split into this many equal blocks
+    anchor_size: int | None = None  # tokens of the anchor (the document's start); None = the block size
+
+    def __post_init__(self):
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"bad value for block_size: {self.block_size!r}; expected an integer >= 1 or null")
+        if self.blocks < 1:
+            raise ValueError(f"bad value for blocks: {self.blocks!r}; expected an integer >= 1")
+        if self.anchor_size is not None and self.anchor_size < 1:
+            raise ValueError(f"bad value for anchor_size: {self.anchor_size!r}; expected an integer >= 1 or null")
+        if self.anchor_size is not None and self.block_size is not None and self.anchor_size > self.block_size:
+            raise ValueError(f"bad value for anchor_size: {self.anchor_size}; it must not exceed block_size "
+                             f"({self.block_size})")
+
+
+@dataclass(frozen=True)
+class StarLayout:
+    """Where the document's blocks go: bounds [lo, hi) per block, the anchor length, blocks per rank."""
+
+    bounds: tuple[tuple[int, int], ...]
+    anchor: int
+    owners: tuple[tuple[int, ...], ...]  # per rank, its block indices (contiguous, ascending)
+
+    def span(self, rank: int) -> tuple[int, int]:
+        """Positions [p0, p1) of the rank's blocks."""
+        mine = self.owners[rank]
+        return self.bounds[mine[0]][0], self.bounds[mine[-1]][1]
+
+
+def plan_blocks(n_tokens: int, config: StarConfig, world: int = 1) -> StarLayout:
+    """Split n_tokens into blocks and assign them to `world` ranks in order; EngineInputError when it cannot."""
+    if n_tokens < 1:
+        raise EngineInputError("star: the document is empty")
+    if config.block_size is not None:
+        if config.block_size > n_tokens:
+            raise EngineInputError(
+                f"star: block_size {config.block_size:,} is larger than the document ({n_tokens:,} tokens); one "
+                "block is plain dense attention: lower block_size, or use blocks: N")
+        size = config.block_size
+    else:
+        size = math.ceil(n_tokens / config.blocks)
+    bounds = tuple((lo, min(lo + size, n_tokens)) for lo in range(0, n_tokens, size))
+    anchor = size if config.anchor_size is None else config.anchor_size
+    if anchor > size:
+        raise EngineInputError(f"star: anchor_size {anchor:,} is larger than a block ({size:,} tokens)")
+    if world > len(bounds):
+        raise EngineInputError(f"star: {world} ranks but only {len(bounds)} blocks of {size:,} tokens in a "
+                               f"{n_tokens:,}-token document; use fewer ranks (--gpus) or smaller blocks")
+    # Contiguous shares, as even as possible; the extra blocks go to the first ranks.
+    per, extra = divmod(len(bounds), world)
+    owners, start = [], 0
+    for r in range(world):
+        count = per + (r < extra)
+        owners.append(tuple(range(start, start + count)))
+        start += count
+    return StarLayout(bounds, min(anchor, bounds[0][1]), tuple(owners))
+
+
+class StarLayer(StaticKVLayer):
+    def update(self, key_states, value_states, *args, **kwargs):
+        # Phase 2 on a context rank: the new tokens' K/V are not kept (only the query rank keeps them).
+        if self.owner.phase == 2 and not self.owner.keeps_queries:
+            return self.keys, self.values
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+class StarCache(StaticKVCache):
+    """A rank's KV: [anchor (ranks > 0) | its blocks | (query rank) question + answer]; slot = position - shift.
+
+    Phase 1 (`phase = 1`) writes chunks at host slots as the dense cache does. Phase 2 takes absolute positions
+    (device tensors in decode) and derives slots on the device; `sync` (set for one forward) moves the anchor's
+    K/V layer by layer from the rank that encodes it to the others.
+    """
+
+    layer_class = StarLayer
+
+    def __init__(self, config, capacity: int, *, kv_start: int, n_context: int, shift: int, world: int,
+                 keeps_queries: bool):
+        super().__init__(config, capacity)
+        self.kv_start, self.n_context, self.shift = kv_start, n_context, shift
+        self.world, self.keeps_queries = world, keeps_queries
+        self.phase = 1
+        self.sync: AnchorSync | None = None
+        self._context_end: dict[torch.device, torch.Tensor] = {}
+
+    def begin_chunk(self, offset: int, n: int) -> None:
+        if self.phase == 2 and not self.keeps_queries:
+            # The new tokens are not stored here; offset is their (virtual) slot, past the context.
+            self.decoding, self.offset = False, offset
+            return
+        super().begin_chunk(offset, n)
+
+    def begin_decode(self, position: torch.Tensor, length: torch.Tensor) -> None:
+        """position, length: absolute ([1] int64 on the device); stored as slots."""
+        super().begin_decode(position - self.shift, length - self.shift)
+
+    def context_end_on(self, device: torch.device) -> torch.Tensor:
+        """[1] int64: the number of context slots past kv_start (a context rank's shard length)."""
+        if device not in self._context_end:
+            self._context_end[device] = torch.full((1,), self.n_context, dtype=torch.long, device=device)
+        return self._context_end[device]
+
+
+@dataclass
+class AnchorSync:
+    """For one forward: after layer l has written the anchor's K/V on the source rank, broadcast them.
+
+    tokens: the anchor length; source: the rank that encodes block 0. On the source the K/V are read from
+    slots [0, tokens), on the receivers written to slots [0, tokens) (sliding-window layers: the last
+    `window` anchor tokens, all that a block can see).
+    """
+
+    tokens: int
+    source: int = 0
+    sent_bytes: int = 0
+
+    def __call__(self, key: torch.Tensor, value: torch.Tensor, window: int | None, is_source: bool) -> None:
+        lo = 0 if window is None else max(0, self.tokens - window)
+        buf = (torch.stack([key[:, :, lo:self.tokens], value[:, :, lo:self.tokens]]) if is_source else
+               torch.empty((2, *key[:, :, lo:self.tokens].shape), dtype=key.dtype, device=key.device))
+        dist.broadcast(buf, src=self.source)
+        self.sent_bytes += buf.nbytes
+        if not is_source:
+            key[:, :, lo:self.tokens].copy_(buf[0])
+            value[:, :, lo:self.tokens].copy_(buf[1])
+
+
+def _gather_merge(out: torch.Tensor, lse: torch.Tensor, world: int) -> torch.Tensor:
+    """out [B, Hq, T, D], lse [B, Hq, T] of this rank's shard -> the merge over every rank's shard [B, Hq, T, D]."""
+    packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)
+    gathered = torch.empty((world, *packed.shape), dtype=packed.dtype, device=packed.device)
+    if dist.get_backend() == "gloo":
+        dist.all_gather(list(gathered.unbind(0)), packed)
+    else:
+        dist.all_gather_into_tensor(gathered, packed)
+    merged, _ = merge_partials(gathered[..., :-1].unbind(0), gathered[..., -1].unbind(0))
+    return merged.to(out.dtype)
+
+
+class StarEngine(Engine):
+    name = "star"
+    Config = StarConfig
+
+    def __init__(self, lm, config, run):
+        super().__init__(lm, config, run)
+        initialised = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size() if initialised else 1
+        self.rank = dist.get_rank() if initialised else 0
+        self.query_rank = self.world - 1
+
+    @staticmethod
+    def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
+                  **kwargs):
+        if longctx is None:
+            raise outside_engine_error()
+        if longctx.phase == 1:
+            if longctx.sync is not None:
+                longctx.sync(key, value, sliding_window, is_source=longctx.kv_start == 0)
+            out = chunk_attention(query, key, value, longctx.offset, scale=scaling, window=sliding_window)
+            return out.transpose(1, 2), None
+        if longctx.world == 1:
+            # One process: the blocks sit side by side from slot 0, so phase 2 is dense attention.
+            if longctx.decoding:
+                out = decode_attention(query[:, :, 0], key, value, longctx.length_on(query.device), scale=scaling,
+                                       window=sliding_window)
+                return out.unsqueeze(1), None
+            out = chunk_attention(query, key, value, longctx.offset, scale=scaling, window=sliding_window)
+            return out.transpose(1, 2), None
+        return StarEngine._global_attention(query, key, value, scaling, sliding_window, longctx).transpose(1, 2), None
+
+    @staticmethod
+    def _global_attention(query, key, value, scaling, window, cache: StarCache) -> torch.Tensor:
+        """Phase 2 over ranks: this rank's shard (out, lse), all-gathered and merged. query: [B, Hq, T, D]."""
+        device, T = query.device, query.shape[2]
+        if cache.decoding:
+            first = cache.position_on(device)
+        else:
+            first = torch.full((1,), cache.offset, dtype=torch.long, device=device)
+        first = first - cache.kv_start
+        # The query rank's shard ends with the new tokens themselves (causal); a context rank's shard is its
+        # blocks, all of them before the queries.
+        length = first + T if cache.keeps_queries else cache.context_end_on(device)
+        out, lse = decode_attention(query, key[:, :, cache.kv_start:], value[:, :, cache.kv_start:], length,
+                                    scale=scaling, window=window, return_lse=True, q_first=first)
+        return _gather_merge(out, lse, cache.world)
+
+    @classmethod
+    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
+        """One process: the whole cache plus a scratch [anchor | block] for the blocks after the first."""
+        config = engine_config or StarConfig()
+        size = config.block_size or math.ceil(n_tokens / config.blocks)
+        scratch = 0 if size >= n_tokens else (config.anchor_size or size) + size
+        return super().memory_plan(model_config, n_tokens + scratch, dtype_bytes)
+
+    def backends(self) -> dict[str, str]:
+        return {"prefill_attention": chunk_attention_backend(self.device, self.has_sliding_layers, self.head_dim),
+                "decode_attention": decode_backend(self.device) + (
+                    f"; log-sum-exp merge over {self.world} ranks" if self.world > 1 else "")}
+
+    def _encode(self, cache: StarCache, ids: torch.Tensor, position: int, slot: int, progress=None,
+                sync: AnchorSync | None = None, sync_last: bool = False) -> torch.Tensor:
+        """ids [N] at positions position.. into slots slot.., in chunks; returns the last logits [1, V].
+
+        `sync` rides on one chunk's forward: the first (a receiver's first block), or with sync_last the last
+        (the source's chunk that completes the anchor).
+        """
+        chunk = self.run.chunk_size
+        starts = range(0, ids.numel(), chunk)
+        logits = None
+        for lo in starts:
+            piece = ids[lo:lo + chunk].to(self.device, torch.long).view(1, -1)
+            n = piece.shape[1]
+            positions = torch.arange(position + lo, position + lo + n, device=self.device).view(1, -1)
+            cache.begin_chunk(slot + lo, n)
+            cache.sync = sync if lo == (starts[-1] if sync_last else 0) else None
+            try:
+                logits = self._forward(cache, piece, positions)
+            finally:
+                cache.sync = None
+            if progress is not None:
+                progress(n)
+        return logits[:, -1].float()
+
+    def prefill(self, ids: torch.Tensor, *, reserve: int, progress=None) -> DocumentState:
+        """Phase 1 on this rank: its blocks, each after the anchor; ids [N] is the whole document."""
+        self.activate()
+        start = time.perf_counter()
+        layout = plan_blocks(ids.numel(), self.config, self.world)
+        if self.world > 1:
+            _check_same_document(ids, self.device)
+        p0, p1 = layout.span(self.rank)
+        a = layout.anchor
+        kv_start = 0 if self.rank == 0 else a
+        keeps = self.rank == self.query_rank
+        cache = StarCache(self.model.config, kv_start + (p1 - p0) + (reserve if keeps else 0), kv_start=kv_start,
+                          n_context=p1 - p0, shift=p0 - kv_start, world=self.world, keeps_queries=keeps)
+        sync = AnchorSync(a) if self.world > 1 else None
+        mine = layout.owners[self.rank]
+        hi = layout.bounds[mine[0]][1]
+        if self.rank == 0:
+            # Block 0 starts with the anchor; the chunk that completes the anchor broadcasts it layer by layer.
+            logits = self._encode(cache, ids[:a], 0, 0, progress, sync=sync, sync_last=True)
+            if hi > a:
+                logits = self._encode(cache, ids[a:hi], a, a, progress)
+        else:
+            # The first chunk receives the anchor into slots [0, a), layer by layer, before attending to it.
+            logits = self._encode(cache, ids[p0:hi], p0, a, progress, sync=sync)
+        if len(mine) > 1:
+            logits = self._encode_later_blocks(cache, ids, layout, mine[1:], progress)
+        _sync_device(self.device)
+        phase1_s = time.perf_counter() - start
+        if self.world > 1:
+            # Every rank's logits become the query rank's: the document's end is there.
+            dist.broadcast(logits, src=self.query_rank)
+            dist.barrier()
+        cache.phase = 2
+        state = DocumentState(cache, ids.numel(), ids.numel(), logits, time.perf_counter() - start)
+        state.engine_data["layout"] = layout
+        state.counters.update(star_blocks=len(layout.bounds), star_block_tokens=layout.bounds[0][1],
+                              star_anchor_tokens=a, star_ranks=self.world)
+        state.engine_data["rank"] = {"blocks": len(mine), "context_tokens": p1 - p0, "phase1_s": phase1_s,
+                                     "anchor_broadcast_bytes": sync.sent_bytes if sync else 0}
+        return state
+
+    def _encode_later_blocks(self, cache: StarCache, ids, layout: StarLayout, blocks, progress) -> torch.Tensor:
+        """Blocks after a rank's first: each encoded in a scratch [anchor | block], its K/V then copied home."""
+        a = layout.anchor
+        size = max(layout.bounds[j][1] - layout.bounds[j][0] for j in blocks)
+        scratch = StarCache(self.model.config, a + size, kv_start=0, n_context=0, shift=0, world=1,
+                            keeps_queries=True)
+        for home, layer in zip(cache.layers, scratch.layers):
+            layer.lazy_initialization(home.keys, home.values)
+            layer.keys[:, :, :a].copy_(home.keys[:, :, :a])
+            layer.values[:, :, :a].copy_(home.values[:, :, :a])
+        logits = None
+        for j in blocks:
+            lo, hi = layout.bounds[j]
+            logits = self._encode(scratch, ids[lo:hi], lo, a, progress)
+            slot = lo - cache.shift
+            for home, layer in zip(cache.layers, scratch.layers):
+                home.keys[:, :, slot:slot + hi - lo].copy_(layer.keys[:, :, a:a + hi - lo])
+                home.values[:, :, slot:slot + hi - lo].copy_(layer.values[:, :, a:a + hi - lo])
+        return logits
+
+    def _encode_question(self, state: DocumentState, question_ids: torch.Tensor, n_new: int) -> torch.Tensor:
+        """Phase 2 for the question: every rank runs it; the query rank keeps its K/V."""
+        self.activate()
+        cache = state.cache
+        if cache.keeps_queries and state.position + question_ids.numel() + n_new - cache.shift > cache.capacity:
+            raise ValueError(f"KV cache of {cache.capacity} slots has no room for {question_ids.numel()} + {n_new} "
+                             "new tokens")
+        logits = state.last_logits
+        if question_ids.numel():
+            logits = self._encode(cache, question_ids, state.position, state.position - cache.shift)
+        state.position += question_ids.numel()
+        state.engine_data["phase2_tokens"] = question_ids.numel()
+        return logits
+
+    @torch.inference_mode()
+    def answer(self, state: DocumentState, question_ids: torch.Tensor, max_new_tokens: int, sampler):
+        start = time.perf_counter()
+        produced = 0
+        try:
+            for token in super().answer(state, question_ids, max_new_tokens, sampler):
+                produced += 1
+                yield token
+        finally:
+            _sync_device(self.device)
+            rank = state.engine_data["rank"]
+            rank["phase2_s"] = time.perf_counter() - start
+            # Forwards in phase 2: the question, then one per generated token after the first.
+            tokens = state.engine_data.get("phase2_tokens", 0) + max(0, produced - 1)
+            text = self.text_config
+            per_token = text.num_hidden_layers * text.num_attention_heads * (self.head_dim + 1) * 4
+            rank["phase2_bytes_received"] = tokens * per_token * (self.world - 1)
+
+    def counters(self, state: DocumentState) -> dict:
+        counters = super().counters(state)
+        rank = state.engine_data.get("rank", {})
+        ranks = [rank]
+        if self.world > 1:
+            ranks = [None] * self.world
+            dist.all_gather_object(ranks, rank)
+        counters["star_per_rank"] = ranks
+        return counters
+
+
+def _check_same_document(ids: torch.Tensor, device: torch.device) -> None:
+    """Every rank tokenised its own copy of the input (SPMD): refuse to run if the copies differ."""
+    ids = ids.to(torch.long)
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.long) % 65521
+    mine = torch.tensor([ids.numel(), int(ids.sum()), int((ids * weights).sum())], device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    if any(not torch.equal(mine, other) for other in every):
+        raise EngineInputError("star: the ranks read different documents (token counts or checksums differ); "
+                               "every host must see the same input")
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
