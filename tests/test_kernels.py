@@ -324,3 +324,76 @@ def test_chunk_dispatch_gemma_shape_any_chunk_length(window, T):
     out = chunk_attention(q, k, v, offset, scale=256**-0.5, window=window)
     ref = chunk_reference(q.float(), k.float(), v.float(), offset, scale=256**-0.5, window=window)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def naive_queries(q, k, v, first, scale, window=None):
+    """fp64 attention of q [B, Hq, T, D] at positions first.. over keys [0, first + T) (causal, window)."""
+    T = q.shape[2]
+    group = q.shape[1] // k.shape[1]
+    kk = k[:, :, :first + T].double().repeat_interleave(group, dim=1)
+    vv = v[:, :, :first + T].double().repeat_interleave(group, dim=1)
+    pos = torch.arange(first, first + T)[:, None]
+    kv = torch.arange(first + T)[None, :]
+    mask = (kv <= pos) if window is None else (kv <= pos) & (kv > pos - window)
+    s = (q.double() @ kk.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return s.softmax(-1) @ vv, s.logsumexp(-1)
+
+
+SHARDS = [[0, 1000], [0, 300, 1000], [0, 17, 600, 611, 1000], [0, 999, 1000]]
+
+
+@pytest.mark.parametrize("window", [None, 100], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("T", [1, 5], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("bounds", SHARDS, ids=lambda b: f"shards{len(b) - 1}-" + "_".join(map(str, b[1:-1])))
+def test_shard_attention_merged_equals_full(bounds, T, window):
+    """Star's phase 2: each shard of positions [lo, hi) attends on its own (q_first = the queries' index in the
+    shard, so a shard before the queries is seen whole), the last shard holds the queries' own K/V; the
+    log-sum-exp merge equals attention over the concatenated KV."""
+    B, Hq, Hkv, D = 1, 8, 2, 64
+    first = bounds[-1] - T  # the queries are the last T positions; the last shard ends with them
+    q = torch.randn(B, Hq, T, D)
+    k, v = make_cache(B, Hkv, bounds[-1] + 8, D, [bounds[-1]])
+    outs, lses = [], []
+    for lo, hi in zip(bounds, bounds[1:]):
+        ks, vs = k[:, :, lo:hi].clone(), v[:, :, lo:hi].clone()
+        # Each rank's buffer has room past its shard: poison it.
+        ks = torch.cat([ks, torch.full_like(ks[:, :, :4], float("nan"))], dim=2)
+        vs = torch.cat([vs, torch.full_like(vs[:, :, :4], float("nan"))], dim=2)
+        o, s = decode_attention(q, ks, vs, torch.tensor([hi - lo]), scale=0.125, window=window, return_lse=True,
+                                q_first=torch.tensor([first - lo]))
+        outs.append(o)
+        lses.append(s)
+    out, lse = merge_partials(outs, lses)
+    ref_out, ref_lse = naive_queries(q, k, v, first, 0.125, window)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_q_first_past_a_window_gives_an_empty_shard():
+    q = torch.randn(1, 4, 3, 32)
+    k, v = make_cache(1, 1, 64, 32, [64])
+    out, lse = decode_attention(q, k, v, torch.tensor([64]), scale=0.2, window=10, return_lse=True,
+                                q_first=torch.tensor([200]))
+    assert torch.equal(out, torch.zeros_like(out)) and torch.all(lse == -math.inf)
+
+
+@pytest.mark.parametrize("window", [None, 512], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("first", [5000, 5300, 9000], ids=lambda f: f"first{f}")
+@pytest.mark.parametrize("T", [1, 12], ids=lambda t: f"T{t}")
+@pytest.mark.gpu
+@requires_cuda
+def test_decode_triton_q_first_matches_reference(T, first, window):
+    """A context shard (keys [0, 5000)) seen by queries at later indices, as star's context ranks do."""
+    from kernels.decode_attention.triton import decode_attention_triton
+
+    B, Hq, Hkv, D, n = 1, 32, 8, 128, 5000
+    q = torch.randn(B, Hq, T, D, device="cuda", dtype=torch.bfloat16)
+    k, v = make_cache(B, Hkv, n + 100, D, [n], dtype=torch.bfloat16, device="cuda")
+    length, q_first = torch.tensor([n], device="cuda"), torch.tensor([first], device="cuda")
+    out, lse = decode_attention_triton(q, k, v, length, scale=D**-0.5, window=window, return_lse=True,
+                                       q_first=q_first)
+    ref, ref_lse = decode_reference(q.float(), k.float(), v.float(), length, scale=D**-0.5, window=window,
+                                    return_lse=True, q_first=q_first)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)

@@ -1,0 +1,152 @@
+"""The star engine on the real embedded model (CPU): against dense, against the paper's construction, over ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engines import ENGINES
+from engines.base import EngineInputError
+from engines.decoding import Sampler
+from engines.star import StarConfig, plan_blocks
+from longctx_cli.profiles import resolve_profile
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+QUESTION = "\n\nQuestion: What was the name of the schooner?\nAnswer:"
+SAMPLE = Path(__file__).parent.parent / "samples" / "lighthouse.txt"
+
+
+def _engine(lm, name, **overrides):
+    profile = resolve_profile(name, overrides)
+    return ENGINES[profile.engine](lm, profile.engine_config, profile.run)
+
+
+def _ids(lm, text: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    doc = torch.tensor([lm.tokenizer.bos_token_id, *(ids * (n // len(ids) + 1))[: n - 1]])
+    return doc, torch.tensor(lm.tokenizer(QUESTION, add_special_tokens=False)["input_ids"])
+
+
+def _answer(engine, doc, question, n):
+    state = engine.prefill(doc, reserve=question.numel() + n)
+    return list(engine.answer(state, question, n, Sampler())), state
+
+
+def test_one_block_equals_dense_token_for_token(lm, story_text):
+    doc, question = _ids(lm, story_text, 1200)
+    dense, _ = _answer(_engine(lm, "dense", chunk_size=256), doc, question, 24)
+    star, state = _answer(_engine(lm, "star", chunk_size=256, blocks=1), doc, question, 24)
+    assert star == dense
+    assert state.counters["star_blocks"] == 1
+
+
+def test_phase1_kv_equal_the_papers_augmented_blocks(lm, story_text):
+    """Every block's K/V equal those of an ordinary forward over [anchor | block] with the anchor at positions
+    0..a-1 and the block at its true positions (the paper's c'_i), on full and sliding-window layers; the anchor
+    is shorter than a block and the chunks cut blocks in several pieces."""
+    doc, _ = _ids(lm, story_text, 1300)
+    engine = _engine(lm, "star", chunk_size=160, block_size=450, anchor_size=300)
+    state = engine.prefill(doc, reserve=4)
+    layout = state.engine_data["layout"]
+    assert layout.bounds == ((0, 450), (450, 900), (900, 1300)) and layout.anchor == 300
+    model = lm.model
+    model.set_attn_implementation("sdpa")
+    try:
+        for i, (lo, hi) in enumerate(layout.bounds):
+            prefix = [] if i == 0 else list(range(300))
+            tokens = torch.cat([doc[prefix], doc[lo:hi]]) if prefix else doc[lo:hi]
+            positions = torch.tensor(prefix + list(range(lo, hi)))
+            ref = DynamicCache(config=model.config)
+            with torch.no_grad():
+                model(input_ids=tokens[None], position_ids=positions[None], past_key_values=ref, use_cache=True)
+            for layer in (1, 5, 11, 17):  # sliding, full, full, full (Gemma 3: every 6th layer is global)
+                n = hi - lo
+                mine = state.cache.layers[layer]
+                torch.testing.assert_close(mine.keys[:, :, lo:hi], ref.layers[layer].keys[:, :, -n:], atol=2e-3,
+                                           rtol=1e-3)
+                torch.testing.assert_close(mine.values[:, :, lo:hi], ref.layers[layer].values[:, :, -n:],
+                                           atol=2e-3, rtol=1e-3)
+    finally:
+        engine.activate()
+    # Not vacuous: a dense encoding differs from the blockwise one after the first block.
+    dense = _engine(lm, "dense", chunk_size=512).prefill(doc, reserve=4)
+    diff = (dense.cache.layers[11].keys[:, :, 900:1300] - state.cache.layers[11].keys[:, :, 900:1300]).abs().max()
+    assert diff > 1e-2
+
+
+def test_block_plan_and_bad_configurations():
+    layout = plan_blocks(1000, StarConfig(blocks=3), world=2)
+    assert layout.bounds == ((0, 334), (334, 668), (668, 1000)) and layout.anchor == 334
+    assert layout.owners == ((0, 1), (2,))
+    assert plan_blocks(1000, StarConfig(block_size=300, anchor_size=64)).anchor == 64
+    with pytest.raises(EngineInputError, match="block_size 2,000 is larger than the document"):
+        plan_blocks(1000, StarConfig(block_size=2000))
+    with pytest.raises(EngineInputError, match="3 ranks but only 2 blocks"):
+        plan_blocks(1000, StarConfig(blocks=2), world=3)
+    with pytest.raises(EngineInputError, match="anchor_size 600 is larger than a block"):
+        plan_blocks(1000, StarConfig(blocks=4, anchor_size=600))
+    with pytest.raises(ValueError, match="anchor_size"):
+        StarConfig(block_size=100, anchor_size=200)
+    with pytest.raises(ValueError, match="blocks"):
+        StarConfig(blocks=0)
+
+
+def _json_answer(out: str) -> dict:
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def _ranked(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, LONGCTX_HOME=os.environ.get("LONGCTX_HOME", ""))
+    env = {k: v for k, v in env.items() if v}
+    return subprocess.run([sys.executable, "-m", "longctx_cli", *args], input=stdin, capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_over_gloo_answer_like_one_process(ranks, capsys, monkeypatch):
+    """`--gpus N --device cpu` spawns N gloo ranks; the answer equals the one-process run of the same blocks.
+    The 2-rank run reads the document from stdin (read once by the launcher, handed to every rank)."""
+    common = ["--profile", "star", "--set", "blocks=3", "--device", "cpu", "-n", "12", "--json"]
+    code, out, err = run_cli(["ask", str(SAMPLE), "What was the name of the schooner?", *common], capsys,
+                             monkeypatch)
+    assert code == 0, err
+    one = _json_answer(out)
+    doc = "-" if ranks == 2 else str(SAMPLE)
+    proc = _ranked(["ask", doc, "What was the name of the schooner?", *common, "--gpus", str(ranks)],
+                   stdin=SAMPLE.read_text() if ranks == 2 else None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    many = _json_answer(proc.stdout)  # printed once, by the query rank
+    assert many["answer"] == one["answer"] and many["answer"].strip()
+    per_rank = many["counters"]["star_per_rank"]
+    assert [r["blocks"] for r in per_rank] == ([2, 1] if ranks == 2 else [1, 1, 1])
+    assert all(r["anchor_broadcast_bytes"] > 0 and r["phase2_bytes_received"] > 0 for r in per_rank)
+    assert sum(r["context_tokens"] for r in per_rank) == one["counters"]["star_per_rank"][0]["context_tokens"]
+
+
+def test_more_ranks_than_blocks_is_one_clear_error():
+    proc = _ranked(["ask", str(SAMPLE), "Who?", "--profile", "star", "--set", "blocks=2", "--device", "cpu",
+                    "--gpus", "3"])
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "3 ranks but only 2 blocks" in errors[0]
+
+
+def test_cli_refuses_bad_star_settings(capsys, monkeypatch):
+    code, _, err = run_cli(["ask", str(SAMPLE), "Who?", "-p", "star", "--set", "block_size=100000"], capsys,
+                           monkeypatch)
+    assert code == 4 and "larger than the document" in err
+    code, _, err = run_cli(["ask", str(SAMPLE), "Who?", "-p", "star", "--set", "block_size=100",
+                            "--set", "anchor_size=200"], capsys, monkeypatch)
+    assert code == 4 and "anchor_size" in err
+    code, _, err = run_cli(["ask", str(SAMPLE), "Who?", "--gpus", "2"], capsys, monkeypatch)
+    assert code == 4 and "need the star engine" in err
