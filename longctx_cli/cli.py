@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Annotated, Optional
@@ -47,10 +48,18 @@ def _root(
     DEBUG["on"] = debug or bool(os.environ.get("LONGCTX_DEBUG"))
 
 
-def _profile(name: str, sets: list[str] | None, **flags):
-    from longctx_cli.profiles import parse_override, resolve_profile
+def _profile(name: str, sets: list[str] | None, only_known: bool = False, **flags):
+    """Resolve a profile with --set overrides and flags; only_known (a bench baseline) drops the --set keys its
+    engine does not have, so `--set block_size=...` tunes the engine under test without breaking dense."""
+    from engines import ENGINES
+    from longctx_cli.profiles import RunSettings, parse_override, resolve_profile
 
     overrides = dict(parse_override(s) for s in sets or [])
+    if only_known:
+        engine = resolve_profile(name, {}).engine
+        known = {f.name for f in dataclasses.fields(RunSettings)} | {
+            f.name for f in dataclasses.fields(ENGINES[engine].Config)}
+        overrides = {k: v for k, v in overrides.items() if k in known}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     return resolve_profile(name, overrides)
 
@@ -163,7 +172,7 @@ def bench(
     prof = _profile(profile, sets, device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
     _ranks(prof, gpus, model)
     base = None if compare in (None, "none", "") or compare == profile else _profile(
-        compare, sets, device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
+        compare, sets, only_known=True, device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
     run_bench(prof, base, model=model, lengths=lengths, steps=steps, json_path=json_out, argv=sys.argv,
               tasks=task_list, samples=samples, seed=seed, depths=depth_list, plot_path=plot, layout=layout)
 

@@ -150,3 +150,35 @@ def test_cli_refuses_bad_star_settings(capsys, monkeypatch):
     assert code == 4 and "anchor_size" in err
     code, _, err = run_cli(["ask", str(SAMPLE), "Who?", "--gpus", "2"], capsys, monkeypatch)
     assert code == 4 and "need the star engine" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_one_block_equals_dense_and_graph_equals_eager():
+    """On CUDA (random Gemma 3 shape, bf16): one block gives dense's tokens; with 4 blocks the captured decode
+    gives the eager path's tokens."""
+    from longctx_cli.models import load_model
+
+    lm = load_model("random:gemma3-270m", device="cuda", dtype="bfloat16")
+    gen = torch.Generator().manual_seed(0)
+    doc = torch.randint(1000, lm.config.vocab_size, (5000,), generator=gen)
+    question = torch.randint(1000, lm.config.vocab_size, (9,), generator=gen)
+    dense, _ = _answer(_engine(lm, "dense"), doc, question, 24)
+    one, _ = _answer(_engine(lm, "star", blocks=1), doc, question, 24)
+    assert one == dense
+    outs = {graph: _answer(_engine(lm, "star", decode_graph=graph), doc, question, 24)[0] for graph in (True, False)}
+    assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_ranks_answer_like_one_process():
+    """NCCL ranks (fp32 random Gemma 3 shape, so that rounding cannot flip a token): same answer as one process."""
+    common = ["--model", "random:gemma3-270m", "--dtype", "float32", "-p", "star", "--set", "blocks=4", "-n", "12",
+              "--json"]
+    one = _ranked(["ask", str(SAMPLE), "What was the name of the schooner?", *common])
+    two = _ranked(["ask", str(SAMPLE), "What was the name of the schooner?", *common, "--gpus", "2"])
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
+    a, b = _json_answer(one.stdout), _json_answer(two.stdout)
+    assert a["answer"] == b["answer"]
+    assert [r["blocks"] for r in b["counters"]["star_per_rank"]] == [2, 2]

