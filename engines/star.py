@@ -262,6 +262,7 @@ class StarEngine(Engine):
                 progress(n)
         return logits[:, -1].float()
 
+    @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, *, reserve: int, progress=None) -> DocumentState:
         """Phase 1 on this rank: its blocks, each after the anchor; ids [N] is the whole document."""
         self.activate()

@@ -112,6 +112,7 @@ def _answer_one(session: Session, name: str, docs: list[Document], layout, repor
                 report.timings.decode_step_s.append(now - last)
             last = now
             report.tokens_out += 1
+            report.answer_ids.append(token)
             piece = text.feed(token)
             if piece and not opts.json:
                 out.write(piece)

@@ -145,7 +145,8 @@ def byte_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
-    vocab.update({ch: i + 3 for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())})
+    # Sorted: the alphabet comes from a hash set, in a different order in every process.
+    vocab.update({ch: i + 3 for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))})
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()

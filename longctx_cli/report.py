@@ -39,6 +39,7 @@ class Report:
     answer: str = ""
     tokens_in: int = 0
     tokens_out: int = 0
+    answer_ids: list[int] = field(default_factory=list)  # generated token ids (exact comparisons between runs)
     stopped: str = ""  # stop | length | interrupted | error
     timings: Timings = field(default_factory=Timings)
     memory: dict = field(default_factory=dict)

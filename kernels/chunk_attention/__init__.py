@@ -50,9 +50,11 @@ def _few_queries(q, k_cache, v_cache, offset, *, scale, window=None):
     return decode_attention(q, k_cache, v_cache, length, scale=scale, window=window)
 
 
-def _pick(device: torch.device, window: int | None, head_dim: int = 128, n_queries: int | None = None):
+def _pick(device: torch.device, window: int | None, head_dim: int = 128, n_queries: int | None = None,
+          dtype: torch.dtype = torch.bfloat16):
     choice = _choice()
-    picked = _pick_long(device, window, head_dim, choice)
+    # cuDNN attention takes half precision only: fp32 runs (tests, --dtype float32) use the reference.
+    picked = _pick_long(device, window, head_dim, choice) if dtype != torch.float32 else chunk_attention_reference
     # Flex's query tile is 128: below it (head_dim 256) it failed to lower at every length tried (38, 65, 100).
     few = FEW_QUERIES if picked is not _flex_impl() else 127
     if device.type == "cuda" and choice == "auto" and n_queries is not None and n_queries <= few and head_dim <= 256:
@@ -85,7 +87,7 @@ def chunk_attention(
     position p sees keys kv <= p and, with a window, kv > p - window. Returns out [B, Hq, T, D] in q's dtype.
     On CUDA with a window the cache past offset + T must hold finite values (see flex.py).
     """
-    return _pick(q.device, window, q.shape[-1], q.shape[2])(q, k_cache, v_cache, offset, scale=scale, window=window)
+    return _pick(q.device, window, q.shape[-1], q.shape[2], q.dtype)(q, k_cache, v_cache, offset, scale=scale, window=window)
 
 
 def chunk_attention_backend(device: torch.device, windows: bool = False, head_dim: int = 128) -> str:
