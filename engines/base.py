@@ -23,6 +23,8 @@ from transformers.modeling_utils import AttentionInterface
 
 from engines.cache import StaticKVCache, layer_types
 from engines.decoding import DecodeStep, Sampler
+from kernels.chunk_attention import chunk_attention
+from kernels.decode_attention import decode_attention
 
 
 @dataclass
@@ -37,6 +39,18 @@ class DocumentState:
     decode: DecodeStep | None = None
     counters: dict = field(default_factory=dict)
     engine_data: dict = field(default_factory=dict)  # an engine's own per-document state
+
+
+def exact_attention(query, key, value, scaling, sliding_window, cache):
+    """Dense attention over a static cache: the chunk path in prefill, the split-KV decode kernel in decode.
+
+    query: [B, Hq, T, D]; key/value: the cache's whole buffers [B, Hkv, S, D] -> [B, T, Hq, D].
+    """
+    if cache.decoding:
+        out = decode_attention(query[:, :, 0], key, value, cache.length_on(query.device), scale=scaling,
+                               window=sliding_window)
+        return out.unsqueeze(1)
+    return chunk_attention(query, key, value, cache.offset, scale=scaling, window=sliding_window).transpose(1, 2)
 
 
 class EngineInputError(ValueError):

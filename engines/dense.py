@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines.base import Engine, outside_engine_error
-from kernels.chunk_attention import chunk_attention, chunk_attention_backend
-from kernels.decode_attention import decode_attention, decode_backend
+from engines.base import Engine, exact_attention, outside_engine_error
+from kernels.chunk_attention import chunk_attention_backend
+from kernels.decode_attention import decode_backend
 
 
 @dataclass
@@ -28,12 +28,7 @@ class DenseEngine(Engine):
                   **kwargs):
         if longctx is None:
             raise outside_engine_error()
-        if longctx.decoding:
-            out = decode_attention(query[:, :, 0], key, value, longctx.length_on(query.device), scale=scaling,
-                                   window=sliding_window)
-            return out.unsqueeze(1), None
-        out = chunk_attention(query, key, value, longctx.offset, scale=scaling, window=sliding_window)
-        return out.transpose(1, 2), None
+        return exact_attention(query, key, value, scaling, sliding_window, longctx), None
 
     def backends(self) -> dict[str, str]:
         return {"prefill_attention": chunk_attention_backend(self.device, self.has_sliding_layers, self.head_dim), "decode_attention": decode_backend(self.device)}

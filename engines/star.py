@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engines.base import DocumentState, Engine, EngineInputError, outside_engine_error
+from engines.base import DocumentState, Engine, EngineInputError, exact_attention, outside_engine_error
 from engines.cache import StaticKVCache, StaticKVLayer
-from kernels.chunk_attention import chunk_attention, chunk_attention_backend
+from kernels.chunk_attention import chunk_attention_backend
 from kernels.decode_attention import decode_attention, decode_backend, merge_partials
 
 
@@ -194,19 +194,12 @@ class StarEngine(Engine):
                   **kwargs):
         if longctx is None:
             raise outside_engine_error()
-        if longctx.phase == 1:
-            if longctx.sync is not None:
-                longctx.sync(key, value, sliding_window, is_source=longctx.kv_start == 0)
-            out = chunk_attention(query, key, value, longctx.offset, scale=scaling, window=sliding_window)
-            return out.transpose(1, 2), None
-        if longctx.world == 1:
-            # One process: the blocks sit side by side from slot 0, so phase 2 is dense attention.
-            if longctx.decoding:
-                out = decode_attention(query[:, :, 0], key, value, longctx.length_on(query.device), scale=scaling,
-                                       window=sliding_window)
-                return out.unsqueeze(1), None
-            out = chunk_attention(query, key, value, longctx.offset, scale=scaling, window=sliding_window)
-            return out.transpose(1, 2), None
+        if longctx.phase == 1 and longctx.sync is not None:
+            longctx.sync(key, value, sliding_window, is_source=longctx.kv_start == 0)
+        if longctx.phase == 1 or longctx.world == 1:
+            # Phase 1 is causal attention over [anchor | block] slots; with one process the blocks sit side by
+            # side from slot 0, so phase 2 is dense attention too.
+            return exact_attention(query, key, value, scaling, sliding_window, longctx), None
         return StarEngine._global_attention(query, key, value, scaling, sliding_window, longctx).transpose(1, 2), None
 
     @staticmethod

@@ -106,7 +106,9 @@ def _mean(values):
 
 def _row(task: str, length: int, engines: list, per_engine: dict) -> dict:
     (prof, _), (base, _) = engines[0], engines[-1]
-    mine, dense = per_engine[prof.name], per_engine[base.name]
+    # Without a baseline (--compare none) the dense columns stay empty, unless the engine is dense itself.
+    has_dense = len(engines) > 1 or prof.engine == "dense"
+    mine, dense = per_engine[prof.name], (per_engine[base.name] if has_dense else [])
     row = {"task": task, "length": length, "engine": prof.engine, "profile": prof.name, "samples": len(mine),
            "score": _mean([r["score"] for r in mine]), "dense_score": _mean([r["score"] for r in dense]),
            "prefill_s": _mean([r["prefill_s"] for r in mine]),

@@ -100,7 +100,7 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
         result = accuracy.run_accuracy(engines, lm.tokenizer, tasks=tasks, lengths=[parse_count(x) for x in
                                        lengths.split(",")], samples=samples, seed=seed, depths=depths,
                                        max_new_tokens=profile.run.max_new_tokens, layout=layout, stop=profile.run.stop)
-        result = {"command": " ".join(["longctx", *argv[1:]]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+        result = {"command": distributed.command(argv), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
                   "model": model or "gemma3-270m", "random_weights": lm.random_weights,
                   "environment": environment(), "mode": "accuracy", "engine_settings": settings, **result}
         if lead:
@@ -129,7 +129,7 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
                 row["roofline_ms"] = 1000 * read / bandwidth
                 row["roofline_ratio"] = row["decode_ms_per_token"] / row["roofline_ms"]
             rows.append(row)
-    result = {"command": " ".join(["longctx", *argv[1:]]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+    result = {"command": distributed.command(argv), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
               "model": model or "gemma3-270m", "random_weights": lm.random_weights, "environment": environment(),
               "engine_settings": settings, "hbm_bytes_per_s": bandwidth, "decode_steps": steps, "rows": rows}
     if lm.random_weights:

@@ -109,6 +109,7 @@ def ask(
     gpus: GpusOpt = 1,
 ):
     """Answer QUESTION about each document (or all of them with --concat)."""
+    from longctx_cli import distributed
     from longctx_cli.ask import AskOptions, run_ask
 
     if len(paths) < 2:
@@ -122,7 +123,9 @@ def ask(
     quiet = _ranks(prof, gpus, model) or quiet
     opts = AskOptions(paths[:-1], paths[-1], prof, model=model, glob=glob, concat=concat, json=json_out,
                       encoding_errors=encoding_errors, layout=layout, quiet=quiet)
-    raise typer.Exit(run_ask(opts))
+    code = run_ask(opts)
+    distributed.finish()
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -152,6 +155,7 @@ def bench(
     gpus: GpusOpt = 1,
 ):
     """Speed (synthetic contexts) or, with --tasks, accuracy of a profile's engine next to the dense baseline."""
+    from longctx_cli import distributed
     from longctx_cli.bench import run_bench
     from longctx_cli.tasks import TASKS
 
@@ -175,6 +179,7 @@ def bench(
         compare, sets, only_known=True, device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
     run_bench(prof, base, model=model, lengths=lengths, steps=steps, json_path=json_out, argv=sys.argv,
               tasks=task_list, samples=samples, seed=seed, depths=depth_list, plot_path=plot, layout=layout)
+    distributed.finish()
 
 
 @app.command()

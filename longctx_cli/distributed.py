@@ -89,6 +89,20 @@ def quiet_unless_query_rank() -> bool:
     return True
 
 
+def command(argv: list[str]) -> str:
+    """The command line as the user typed it (a spawned rank's own argv lacks --gpus)."""
+    return os.environ.get("LONGCTX_COMMAND") or " ".join(["longctx", *argv[1:]])
+
+
+def finish() -> None:
+    """Leave the world together: no rank's exit pulls the rendezvous store from under a rank still working."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,7 +134,7 @@ def launch(args: list[str], n: int, device: str) -> int:
     gpus = torch.cuda.device_count()
     if device != "cpu" and gpus and n > gpus:
         raise ConfigError(f"--gpus {n}: only {gpus} GPU(s) here")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(n),
+    env = dict(os.environ, LONGCTX_COMMAND=" ".join(["longctx", *sys.argv[1:]]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(n),
                LOCAL_WORLD_SIZE=str(n), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // n)))
     stdin_file = None
     if "-" in args:

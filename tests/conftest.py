@@ -41,3 +41,30 @@ def run_cli(args: list[str], capsys, monkeypatch, stdin_text: str | None = None)
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+QUESTION = "\n\nQuestion: What was the name of the schooner?\nAnswer:"
+
+
+def make_engine(lm, name, **overrides):
+    """An engine from a profile name plus overrides, on the given loaded model."""
+    from engines import ENGINES
+    from longctx_cli.profiles import resolve_profile
+
+    profile = resolve_profile(name, overrides)
+    return ENGINES[profile.engine](lm, profile.engine_config, profile.run)
+
+
+def story_ids(lm, text: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """BOS + the text repeated to n tokens, and the schooner question's ids."""
+    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    doc = torch.tensor([lm.tokenizer.bos_token_id, *(ids * (n // len(ids) + 1))[: n - 1]])
+    return doc, torch.tensor(lm.tokenizer(QUESTION, add_special_tokens=False)["input_ids"])
+
+
+def greedy_answer(engine, doc, question, n):
+    """Prefill doc, then n greedy tokens after the question: (token ids, state)."""
+    from engines.decoding import Sampler
+
+    state = engine.prefill(doc, reserve=question.numel() + n)
+    return list(engine.answer(state, question, n, Sampler())), state

@@ -12,32 +12,15 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engines import ENGINES
 from engines.base import EngineInputError
-from engines.decoding import Sampler
 from engines.star import StarConfig, plan_blocks
-from longctx_cli.profiles import resolve_profile
-from tests.conftest import run_cli
+from tests.conftest import greedy_answer, make_engine, run_cli, story_ids
 
 pytestmark = pytest.mark.slow
-QUESTION = "\n\nQuestion: What was the name of the schooner?\nAnswer:"
 SAMPLE = Path(__file__).parent.parent / "samples" / "lighthouse.txt"
 
 
-def _engine(lm, name, **overrides):
-    profile = resolve_profile(name, overrides)
-    return ENGINES[profile.engine](lm, profile.engine_config, profile.run)
-
-
-def _ids(lm, text: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    doc = torch.tensor([lm.tokenizer.bos_token_id, *(ids * (n // len(ids) + 1))[: n - 1]])
-    return doc, torch.tensor(lm.tokenizer(QUESTION, add_special_tokens=False)["input_ids"])
-
-
-def _answer(engine, doc, question, n):
-    state = engine.prefill(doc, reserve=question.numel() + n)
-    return list(engine.answer(state, question, n, Sampler())), state
+_engine, _ids, _answer = make_engine, story_ids, greedy_answer
 
 
 def test_one_block_equals_dense_token_for_token(lm, story_text):
