@@ -146,20 +146,19 @@ class StarCache(StaticKVCache):
 class AnchorSync:
     """For one forward: after layer l has written the anchor's K/V on the source rank, broadcast them.
 
-    tokens: the anchor length; source: the rank that encodes block 0. On the source the K/V are read from
-    slots [0, tokens), on the receivers written to slots [0, tokens) (sliding-window layers: the last
-    `window` anchor tokens, all that a block can see).
+    tokens: the anchor length. The source is rank 0 (it encodes block 0): there the K/V are read from slots
+    [0, tokens), on the receivers written to slots [0, tokens) (sliding-window layers: the last `window` anchor
+    tokens, all that a block can see). sent_bytes counts what crossed (sent on rank 0, received elsewhere).
     """
 
     tokens: int
-    source: int = 0
     sent_bytes: int = 0
 
     def __call__(self, key: torch.Tensor, value: torch.Tensor, window: int | None, is_source: bool) -> None:
         lo = 0 if window is None else max(0, self.tokens - window)
         buf = (torch.stack([key[:, :, lo:self.tokens], value[:, :, lo:self.tokens]]) if is_source else
                torch.empty((2, *key[:, :, lo:self.tokens].shape), dtype=key.dtype, device=key.device))
-        dist.broadcast(buf, src=self.source)
+        dist.broadcast(buf, src=0)
         self.sent_bytes += buf.nbytes
         if not is_source:
             key[:, :, lo:self.tokens].copy_(buf[0])
@@ -221,9 +220,13 @@ class StarEngine(Engine):
     @classmethod
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
         """One process: the whole cache plus a scratch [anchor | block] for the blocks after the first."""
-        config = engine_config or StarConfig()
-        size = config.block_size or math.ceil(n_tokens / config.blocks)
-        scratch = 0 if size >= n_tokens else (config.anchor_size or size) + size
+        try:
+            layout = plan_blocks(n_tokens, engine_config or StarConfig())
+        except EngineInputError:
+            layout = None  # refused at prefill with the reason; plan the cache alone
+        scratch = 0
+        if layout is not None and len(layout.bounds) > 1:
+            scratch = layout.anchor + max(hi - lo for lo, hi in layout.bounds)
         return super().memory_plan(model_config, n_tokens + scratch, dtype_bytes)
 
     def backends(self) -> dict[str, str]:

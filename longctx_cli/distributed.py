@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 from longctx_cli.errors import ConfigError
 
@@ -164,8 +165,6 @@ def launch(args: list[str], n: int, device: str) -> int:
 
 def _wait(procs: list[subprocess.Popen]) -> list[int]:
     """Wait for every rank; once one fails, the others (stuck in a collective) are stopped."""
-    import time
-
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):

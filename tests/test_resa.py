@@ -14,32 +14,29 @@ from tests.conftest import gpu, greedy_answer, make_engine, story_ids
 pytestmark = pytest.mark.slow
 
 
-_engine, _ids, _answer = make_engine, story_ids, greedy_answer
-
-
 def test_keep_ratio_one_equals_dense_token_for_token(lm, story_text):
     """Every block kept: the sparse path (select, sparse kernel, rectification) must reproduce dense exactly."""
-    doc, question = _ids(lm, story_text, 1500)
-    dense, _ = _answer(_engine(lm, "dense", chunk_size=512), doc, question, 40)
-    resa, state = _answer(_engine(lm, "resa", chunk_size=512, keep_ratio=1.0, rectify_every=16), doc, question, 40)
+    doc, question = story_ids(lm, story_text, 1500)
+    dense, _ = greedy_answer(make_engine(lm, "dense", chunk_size=512), doc, question, 40)
+    resa, state = greedy_answer(make_engine(lm, "resa", chunk_size=512, keep_ratio=1.0, rectify_every=16), doc, question, 40)
     assert resa == dense
-    counters = _engine(lm, "resa").counters(state)
+    counters = make_engine(lm, "resa").counters(state)
     assert counters["rectifications"] == 39 // 16 and counters["kv_fraction_read"] == 1.0
 
 
 def test_short_document_is_exactly_dense(lm, story_text):
     """Up to min_blocks blocks (16 x 16 = 256 tokens) every block is kept by the paper's rule."""
-    doc, question = _ids(lm, story_text, 200)
-    dense, _ = _answer(_engine(lm, "dense"), doc, question, 12)
-    resa, _ = _answer(_engine(lm, "resa"), doc, question, 12)
+    doc, question = story_ids(lm, story_text, 200)
+    dense, _ = greedy_answer(make_engine(lm, "dense"), doc, question, 12)
+    resa, _ = greedy_answer(make_engine(lm, "resa"), doc, question, 12)
     assert resa == dense
 
 
 def test_sparse_decoding_reads_a_tenth_and_answers(lm, story_text):
     """~3K tokens: 10% of the blocks on the 3 global layers; the report says what was read and rectified."""
-    doc, question = _ids(lm, story_text, 3000)
-    engine = _engine(lm, "resa")
-    tokens, state = _answer(engine, doc, question, 40)
+    doc, question = story_ids(lm, story_text, 3000)
+    engine = make_engine(lm, "resa")
+    tokens, state = greedy_answer(engine, doc, question, 40)
     counters = engine.counters(state)
     assert counters["sparse_layers"].startswith("3/18")
     n_blocks = -(-state.position // 16)
@@ -53,18 +50,18 @@ def test_sparse_decoding_reads_a_tenth_and_answers(lm, story_text):
 
 def _dense_kv(lm, ids: torch.Tensor):
     """K/V of every layer after a dense forward over ids (the exact cache rectification must reproduce)."""
-    engine = _engine(lm, "dense", chunk_size=4096)
+    engine = make_engine(lm, "dense", chunk_size=4096)
     return engine.prefill(ids, reserve=1).cache
 
 
 def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
     """After a rectification the rewritten K/V equal a dense encoding of the same tokens, descriptors match
     a rebuild; without rectification the sparse-written K/V differ (so the check is not vacuous)."""
-    doc, question = _ids(lm, story_text, 2000)
+    doc, question = story_ids(lm, story_text, 2000)
     n = 17  # 16 decode steps feed 16 tokens: one rectification with rectify_every=16
     results = {}
     for every in (16, 0):
-        tokens, state = _answer(_engine(lm, "resa", rectify_every=every), doc, question, n)
+        tokens, state = greedy_answer(make_engine(lm, "resa", rectify_every=every), doc, question, n)
         results[every] = (tokens, state)
     tokens, state = results[16]
     fed = torch.tensor(tokens[:16])
@@ -122,7 +119,7 @@ def test_gpu_graph_decode_equals_eager():
     question = torch.randint(1000, lm.config.vocab_size, (9,), generator=gen)
     outs = {}
     for graph in (True, False):
-        engine = _engine(lm, "resa", decode_graph=graph, rectify_every=8)
-        outs[graph], state = _answer(engine, doc, question, 40)
+        engine = make_engine(lm, "resa", decode_graph=graph, rectify_every=8)
+        outs[graph], state = greedy_answer(engine, doc, question, 40)
         assert engine.counters(state)["rectifications"] == 39 // 8
     assert outs[True] == outs[False]

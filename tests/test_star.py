@@ -20,13 +20,10 @@ pytestmark = pytest.mark.slow
 SAMPLE = Path(__file__).parent.parent / "samples" / "lighthouse.txt"
 
 
-_engine, _ids, _answer = make_engine, story_ids, greedy_answer
-
-
 def test_one_block_equals_dense_token_for_token(lm, story_text):
-    doc, question = _ids(lm, story_text, 1200)
-    dense, _ = _answer(_engine(lm, "dense", chunk_size=256), doc, question, 24)
-    star, state = _answer(_engine(lm, "star", chunk_size=256, blocks=1), doc, question, 24)
+    doc, question = story_ids(lm, story_text, 1200)
+    dense, _ = greedy_answer(make_engine(lm, "dense", chunk_size=256), doc, question, 24)
+    star, state = greedy_answer(make_engine(lm, "star", chunk_size=256, blocks=1), doc, question, 24)
     assert star == dense
     assert state.counters["star_blocks"] == 1
 
@@ -35,8 +32,8 @@ def test_phase1_kv_equal_the_papers_augmented_blocks(lm, story_text):
     """Every block's K/V equal those of an ordinary forward over [anchor | block] with the anchor at positions
     0..a-1 and the block at its true positions (the paper's c'_i), on full and sliding-window layers; the anchor
     is shorter than a block and the chunks cut blocks in several pieces."""
-    doc, _ = _ids(lm, story_text, 1300)
-    engine = _engine(lm, "star", chunk_size=160, block_size=450, anchor_size=300)
+    doc, _ = story_ids(lm, story_text, 1300)
+    engine = make_engine(lm, "star", chunk_size=160, block_size=450, anchor_size=300)
     state = engine.prefill(doc, reserve=4)
     layout = state.engine_data["layout"]
     assert layout.bounds == ((0, 450), (450, 900), (900, 1300)) and layout.anchor == 300
@@ -60,7 +57,7 @@ def test_phase1_kv_equal_the_papers_augmented_blocks(lm, story_text):
     finally:
         engine.activate()
     # Not vacuous: a dense encoding differs from the blockwise one after the first block.
-    dense = _engine(lm, "dense", chunk_size=512).prefill(doc, reserve=4)
+    dense = make_engine(lm, "dense", chunk_size=512).prefill(doc, reserve=4)
     diff = (dense.cache.layers[11].keys[:, :, 900:1300] - state.cache.layers[11].keys[:, :, 900:1300]).abs().max()
     assert diff > 1e-2
 
@@ -146,10 +143,10 @@ def test_gpu_one_block_equals_dense_and_graph_equals_eager():
     gen = torch.Generator().manual_seed(0)
     doc = torch.randint(1000, lm.config.vocab_size, (5000,), generator=gen)
     question = torch.randint(1000, lm.config.vocab_size, (9,), generator=gen)
-    dense, _ = _answer(_engine(lm, "dense"), doc, question, 24)
-    one, _ = _answer(_engine(lm, "star", blocks=1), doc, question, 24)
+    dense, _ = greedy_answer(make_engine(lm, "dense"), doc, question, 24)
+    one, _ = greedy_answer(make_engine(lm, "star", blocks=1), doc, question, 24)
     assert one == dense
-    outs = {graph: _answer(_engine(lm, "star", decode_graph=graph), doc, question, 24)[0] for graph in (True, False)}
+    outs = {graph: greedy_answer(make_engine(lm, "star", decode_graph=graph), doc, question, 24)[0] for graph in (True, False)}
     assert outs[True] == outs[False]
 
 
@@ -184,3 +181,14 @@ def test_two_gpu_ranks_answer_like_one_process(tmp_path):
     assert len(b["answer_ids"]) == 24 and len(set(b["answer_ids"])) > 1 and a["answer_ids"] == b["answer_ids"]
     assert b["counters"]["decode_cuda_graph"] is True
     assert [r["blocks"] for r in b["counters"]["star_per_rank"]] == [2, 2]
+
+
+def test_memory_plan_counts_the_scratch(lm):
+    """One process: the whole cache plus the scratch [anchor | block] the later blocks are encoded in."""
+    from engines import ENGINES
+
+    config = lm.model.config
+    dense = ENGINES["dense"].memory_plan(config, 4000 + 1000 + 1000, 4)
+    assert ENGINES["star"].memory_plan(config, 4000, 4, StarConfig()) == dense
+    assert ENGINES["star"].memory_plan(config, 4000, 4, StarConfig(blocks=1)) == ENGINES["dense"].memory_plan(
+        config, 4000, 4)
