@@ -2,6 +2,7 @@
 
 from engines.dense import DenseEngine
 from engines.resa import ResaEngine
+from engines.sas import SasEngine
 from engines.star import StarEngine
 
-ENGINES = {cls.name: cls for cls in (DenseEngine, ResaEngine, StarEngine)}
+ENGINES = {cls.name: cls for cls in (DenseEngine, ResaEngine, SasEngine, StarEngine)}

@@ -26,7 +26,7 @@ BLOCK = 128
 
 
 @functools.cache
-def _compiled_flex():
+def compiled_flex():
     # One compile per (T, S, D, dtype, window, heads): a long run over many documents (each with its own cache
     # capacity) or several models passes Dynamo's default limit of 8, after which fullgraph raises.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
@@ -92,6 +92,6 @@ def chunk_attention_flex(
     S = k_cache.shape[2]
     check_chunk(q, k_cache, offset)
     block_mask = block_mask_for(T, S, offset, window, q.device)
-    return _compiled_flex()(
+    return compiled_flex()(
         q, k_cache, v_cache, block_mask=block_mask, scale=scale, enable_gqa=Hq != k_cache.shape[1]
     )

@@ -38,6 +38,7 @@ def decode_attention(
     window: int | None = None,
     return_lse: bool = False,
     q_first: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the tokens at positions length-T .. length-1 (or q_first..) over their valid keys.
 
@@ -45,11 +46,13 @@ def decode_attention(
     int64 on q's device, T <= length <= S; keys at index >= length are never read into the result. window:
     None for all earlier keys, else only keys with index > position - window. Returns out shaped like q in
     q's dtype, plus lse ([B, Hq] or [B, Hq, T]) fp32 (natural log) with return_lse. q_first: [B] int64, the
-    index of the first query when it is not length - T (see the reference).
+    index of the first query when it is not length - T (see the reference). key_mask: [B, Hkv, S] bool,
+    the keys each KV head may see at all.
     """
     impl = _triton_impl() if q.is_cuda else None
     impl = impl or decode_attention_reference
-    return impl(q, k_cache, v_cache, length, scale=scale, window=window, return_lse=return_lse, q_first=q_first)
+    return impl(q, k_cache, v_cache, length, scale=scale, window=window, return_lse=return_lse, q_first=q_first,
+                key_mask=key_mask)
 
 
 def decode_backend(device: torch.device) -> str:

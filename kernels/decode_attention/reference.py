@@ -19,6 +19,7 @@ def decode_attention(
     window: int | None = None,
     return_lse: bool = False,
     q_first: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the queries at positions length-T .. length-1 over keys [0, length).
 
@@ -29,7 +30,8 @@ def decode_attention(
     shard of keys that all precede the queries (star's phase 2 on a context rank). Keys at index >= length
     may hold anything, NaN included. Returns out shaped like q in q's dtype, and with return_lse also
     lse [B, Hq] or [B, Hq, T] fp32 (natural log of the sum of exp(scaled scores)), computed in fp32; a query
-    that sees no key gets out 0 and lse -inf.
+    that sees no key gets out 0 and lse -inf. key_mask: [B, Hkv, S] bool, keys a head may see at all
+    (on top of the rules above; sas-pattern's compacted cache, whose slots are not in position order).
     """
     single = q.dim() == 3
     if single:
@@ -47,6 +49,8 @@ def decode_attention(
     if window is not None:
         valid &= pos > last - window
     mask = valid[:, None, None]  # [B, 1, 1, T, hi]: broadcasts over kv heads and the GQA group
+    if key_mask is not None:
+        mask = mask & key_mask[:, :, :hi][:, :, None, None, :]
 
     qg = q.float().view(B, Hkv, Hq // Hkv, T, D)
     s = torch.matmul(qg, k[:, :, None].transpose(-1, -2)) * scale  # [B, Hkv, G, T, hi]

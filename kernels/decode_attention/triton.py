@@ -29,11 +29,12 @@ _MAX_ROWS = 64
 
 @triton.jit
 def _decode_attention_fwd_kernel(
-    Q, K, V, Length, QFirst, Out_part, Lse_part,
-    qk_scale, window, n_kv_heads, n_q_heads, num_splits,
+    Q, K, V, Length, QFirst, KeyMask, Out_part, Lse_part,
+    qk_scale, window, n_kv_heads, n_q_heads, num_splits, stride_ks_mask,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     N_QUERIES, GROUP: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_QFIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_QFIRST: tl.constexpr, HAS_KEYMASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -81,6 +82,10 @@ def _decode_attention_fwd_kernel(
         seen = valid[None, :] & (offs[None, :] <= row_pos[:, None])
         if HAS_WINDOW:
             seen &= offs[None, :] > row_pos[:, None] - window
+        if HAS_KEYMASK:
+            # [B, Hkv, S] flags: keys this head may see (sas-pattern's compacted cache).
+            key_ok = tl.load(KeyMask + (b * n_kv_heads + h) * stride_ks_mask + offs, mask=valid, other=0)
+            seen &= key_ok[None, :] != 0
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row may see no key of a tile (causal or window edge): keep exp2 away from (-inf) - (-inf).
@@ -111,7 +116,7 @@ def num_splits_for(batch: int, n_kv_heads: int, capacity: int, device: torch.dev
     return max(1, min(target, triton.cdiv(capacity, _BLOCK_N), _MAX_SPLITS))
 
 
-def _validate(q, k_cache, v_cache, length, window, q_first) -> None:
+def _validate(q, k_cache, v_cache, length, window, q_first, key_mask) -> None:
     if q.dim() != 4:
         raise ValueError(f"expected q of shape [B, Hq, D] or [B, Hq, T, D], got {tuple(q.shape)}")
     B, Hq, T, D = q.shape
@@ -125,6 +130,10 @@ def _validate(q, k_cache, v_cache, length, window, q_first) -> None:
         raise ValueError(f"expected length of shape [{B}] int64, got {tuple(length.shape)} {length.dtype}")
     if q_first is not None and (q_first.shape != (B,) or q_first.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"expected q_first of shape [{B}] int64, got {tuple(q_first.shape)} {q_first.dtype}")
+    if key_mask is not None and (key_mask.shape != k_cache.shape[:3] or key_mask.dtype != torch.bool
+                                 or not key_mask.is_contiguous()):
+        raise ValueError(f"expected a contiguous bool key_mask of shape {tuple(k_cache.shape[:3])}, got "
+                         f"{tuple(key_mask.shape)} {key_mask.dtype}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"expected q in float16, bfloat16 or float32, got {q.dtype}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -133,7 +142,8 @@ def _validate(q, k_cache, v_cache, length, window, q_first) -> None:
         raise ValueError(f"expected head_dim a power of two in [16, 256], got {D}")
     if window is not None and window < 1:
         raise ValueError(f"expected window >= 1 or None, got {window}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("length", length), ("q_first", q_first)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("length", length), ("q_first", q_first),
+                    ("key_mask", key_mask)):
         if t is not None:
             check_device(name, t, q.device)
 
@@ -148,6 +158,7 @@ def decode_attention_triton(
     window: int | None = None,
     return_lse: bool = False,
     q_first: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as reference.decode_attention; CUDA tensors only, CUDA-graph capturable.
 
@@ -156,7 +167,7 @@ def decode_attention_triton(
     """
     single = q.dim() == 3
     q4 = q.unsqueeze(2) if single else q
-    _validate(q4, k_cache, v_cache, length, window, q_first)
+    _validate(q4, k_cache, v_cache, length, window, q_first, key_mask)
     B, Hq, T, D = q4.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
@@ -167,12 +178,14 @@ def decode_attention_triton(
     lse_part = torch.empty(B * Hq * T, num_splits, device=q.device, dtype=torch.float32)
     with launch_context(q.device):
         _decode_attention_fwd_kernel[(B * Hkv, num_splits, triton.cdiv(group * T, rows_pad))](
-            q4, k_cache, v_cache, length, length if q_first is None else q_first, out_part, lse_part,
-            scale * _LOG2E, window or 0, Hkv, Hq, num_splits,
+            q4, k_cache, v_cache, length, length if q_first is None else q_first,
+            length if key_mask is None else key_mask.view(torch.uint8), out_part, lse_part,
+            scale * _LOG2E, window or 0, Hkv, Hq, num_splits, S,
             q4.stride(0), q4.stride(1), q4.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             T, GROUP=group, ROWS_PAD=rows_pad, HEAD_DIM=D,
             BLOCK_N=_BLOCK_N, HAS_WINDOW=window is not None, HAS_QFIRST=q_first is not None,
+            HAS_KEYMASK=key_mask is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
         )

@@ -1,0 +1,160 @@
+"""The compacted KV cache of `sas-pattern`: per layer only the slots its pattern's analysis asks for.
+
+Layout of a layer's buffers [B, Hkv, rows, D]:
+
+    [0, static)                   the static part's slots; key k lives at plan.slot_of[k] from step k to its
+                                  last use (ring buffers for windows, fixed slots for sinks, ...)
+    [static, static + pool)       the H2O pool (Dynamic patterns only): per KV head, the keys kept by score
+    [staging, staging + chunk)    a prefill chunk's own K/V; in decode, row `staging` holds a key no static
+                                  query sees (it can still enter the pool)
+    [rows - 1]                    trash: where padded (absent) pool candidates are written, never attended
+
+`key_pos` [B, Hkv, rows] says which token position each row holds (-1: none), so the attention mask over the
+compacted cache is the pattern itself evaluated at (query position, key_pos). A prefill chunk is attended
+from the staging rows and then committed: its keys still needed later move to their slots. Scores (H2O) are
+kept per row: attention probability accumulated over the queries that saw the key, reduced over the query
+heads of the KV head.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from engines.sas.analyzer import CachePlan
+
+
+class SasLayer(CacheLayerMixin):
+    is_compileable = False
+
+    def __init__(self, owner: "SasCache", plan: CachePlan, staging: int, sliding: bool):
+        super().__init__()
+        self.owner, self.plan, self.is_sliding = owner, plan, sliding
+        self.static, self.pool = plan.static_slots, plan.dynamic_slots
+        self.staging = self.static + self.pool
+        self.rows = self.staging + staging + 1
+        self.trash = self.rows - 1
+        self.dynamic = plan.dynamic
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        self.device, self.dtype = key_states.device, key_states.dtype
+        # Zeros, not empty: rows masked out still enter p @ v in some kernels, and 0 * NaN = NaN.
+        self.keys = torch.zeros(batch, heads, self.rows, dim, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(batch, heads, self.rows, value_states.shape[-1], dtype=self.dtype,
+                                  device=self.device)
+        self.key_pos = torch.full((batch, heads, self.rows), -1, dtype=torch.long, device=self.device)
+        self.in_pool = torch.zeros(self.rows, dtype=torch.bool, device=self.device)
+        self.in_pool[self.static:self.staging] = True
+        self.slot_of = self.plan.slot_of.to(self.device)
+        self.last = self.plan.last.to(self.device)
+        if self.dynamic is not None:
+            self.score = torch.zeros(batch, heads, self.rows, dtype=torch.float32, device=self.device)
+            self.score[:, :, self.static:self.staging] = float("-inf")  # empty pool slots lose to any key
+            self._candidates()
+        self.is_initialized = True
+
+    def _candidates(self) -> None:
+        """Keys entering the pool at each step, as CSR (enter_start [n + 2], enter_keys) plus a fixed width."""
+        enters = self.plan.enters_pool
+        order = torch.argsort(torch.where(enters >= 0, enters, enters.numel() + 2), stable=True)
+        counts = torch.bincount(enters[enters >= 0], minlength=enters.numel() + 2)
+        self.enter_start = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(self.device)
+        self.enter_keys = order[: int(counts.sum())].to(self.device)
+        self.enter_width = max(1, int(counts.max()))
+        if self.dynamic.refresh:
+            # refresh=true keeps every candidate: pool row = rank of the key among the candidates.
+            rank = torch.full_like(enters, -1)
+            rank[self.plan.enters_pool >= 0] = torch.arange(int((enters >= 0).sum()))
+            self.pool_rank = rank.to(self.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states: [B, Hkv, T, D] -> the whole buffers; prefill writes the staging rows, decode the slot."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        owner = self.owner
+        if owner.decoding:
+            pos = owner.position_on(self.device)  # [1]
+            slot = self.slot_of[pos]
+            row = torch.where(slot >= 0, slot, self.staging)
+            self.keys.index_copy_(2, row, key_states)
+            self.values.index_copy_(2, row, value_states)
+            self.key_pos.index_copy_(2, row, pos.view(1, 1, 1).expand(*self.key_pos.shape[:2], 1))
+            if self.dynamic is not None:
+                self.score.index_fill_(2, row, 0.0)
+        else:
+            t = key_states.shape[2]
+            if t > self.trash - self.staging:
+                raise ValueError(f"a chunk of {t} tokens does not fit the {self.trash - self.staging} staging rows")
+            rows = slice(self.staging, self.staging + t)
+            self.keys[:, :, rows] = key_states
+            self.values[:, :, rows] = value_states
+            self.key_pos[:, :, self.staging:] = -1
+            self.key_pos[:, :, rows] = torch.arange(owner.offset, owner.offset + t, device=self.device)
+            if self.dynamic is not None:
+                self.score[:, :, self.staging:] = 0.0
+        return self.keys, self.values
+
+    def commit_chunk(self, offset: int, t: int) -> None:
+        """After a chunk's attention: its keys still needed by later queries move to their static slots."""
+        pos = torch.arange(offset, offset + t, device=self.device)
+        keep = (self.slot_of[pos] >= 0) & (self.last[pos] >= offset + t)
+        src = self.staging + (pos[keep] - offset)
+        dst = self.slot_of[pos[keep]]
+        for buf in (self.keys, self.values, self.key_pos) + ((self.score,) if self.dynamic is not None else ()):
+            buf.index_copy_(2, dst, buf.index_select(2, src))
+        self.key_pos[:, :, self.staging:] = -1
+
+    def rows_of(self, keys: torch.Tensor, offset: int | None) -> torch.Tensor:
+        """Where candidate keys [W] sit now: staging rows for this chunk's keys (offset None: decode)."""
+        safe = keys.clamp(min=0)
+        slot = self.slot_of[safe]
+        if offset is None:
+            return torch.where(slot >= 0, slot, self.staging)
+        return torch.where(safe >= offset, self.staging + safe - offset, slot)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.rows, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.filled
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        extra = self.key_pos.nbytes + (self.score.nbytes if self.dynamic is not None else 0)
+        return self.keys.nbytes + self.values.nbytes + extra
+
+
+class SasCache(Cache):
+    """One SasLayer per decoder layer; `capacity` is the sequence length the plans were made for."""
+
+    def __init__(self, plans: list[CachePlan], sliding: list[bool], capacity: int, staging: int):
+        layers = [SasLayer(self, plan, staging, s) for plan, s in zip(plans, sliding)]
+        super().__init__(layers=layers)
+        self.capacity = capacity
+        self.offset = 0
+        self.filled = 0
+        self.decoding = False
+        self._position: dict[torch.device, torch.Tensor] = {}
+        self.block_masks: dict = {}  # FlexAttention block masks of the chunk in flight (engines/sas/flex.py)
+
+    def begin_chunk(self, offset: int, n: int) -> None:
+        if offset + n > self.capacity:
+            raise ValueError(f"chunk [{offset}, {offset + n}) does not fit a sequence of {self.capacity} tokens")
+        self.decoding, self.offset, self.filled = False, offset, offset + n
+
+    def begin_decode(self, position: torch.Tensor, length: torch.Tensor) -> None:
+        self.decoding = True
+        self._position = {position.device: position}
+
+    def position_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._position:
+            self._position[device] = next(iter(self._position.values())).to(device, non_blocking=True)
+        return self._position[device]
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)

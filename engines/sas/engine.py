@@ -1,0 +1,240 @@
+"""`sas-pattern`: the SAS sparse attention synthesizer (../shared/papers/sas-sparse-attention-synthesizer.txt).
+
+A profile's `pattern` (engines/sas/pattern.py) says which keys each query sees. Before prefill the analyzer
+(engines/sas/analyzer.py) sizes a compacted KV cache for the whole sequence (document + question + answer)
+and hands out its slots; every layer then keeps only the keys its pattern can still reach (engines/sas/cache.py).
+Gemma-style sliding-window layers keep their own window exactly, as a Diag(window=w) pattern of their own.
+
+- Prefill, per chunk: the chunk's K/V go to staging rows, its queries attend to [compacted cache | chunk] under
+  the pattern (FlexAttention with a block mask built from the pattern on GPU, SDPA with the explicit mask on
+  CPU and for chunks of fewer than 128 tokens), then the keys still needed move to their slots.
+- Decode: the new key goes to its slot, and the split-KV decode kernel reads the compacted cache with a
+  per-slot mask (the pattern at the slot's key position): no host sync, inside the CUDA graph.
+- Dynamic (H2O): attention probabilities (from the kernel's log-sum-exp) accumulate per key; keys the static
+  part lets go of compete for the pool by accumulated score (top-k, on the device). In prefill the pool is
+  updated once per chunk (not per token); `pool(w)` smooths a chunk's scores over neighbouring keys.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engines.base import DocumentState, Engine, outside_engine_error
+from engines.cache import layer_types
+from engines.sas.analyzer import plan_cache, split
+from engines.sas.cache import SasCache, SasLayer
+from engines.sas.flex import flex_prefill
+from engines.sas.parse import parse_pattern
+from engines.sas.pattern import Diag
+from kernels.decode_attention import decode_attention, decode_backend
+
+# Below this many queries a chunk runs the SDPA path (FlexAttention's query tile is 128).
+_FLEX_MIN_QUERIES = 128
+_QUERY_SLICE = 256  # queries per slice when the probabilities are formed explicitly (H2O)
+
+
+@dataclass
+class SasConfig:
+    """pattern: the SAS pattern text (see engines/sas/parse.py), applied on every full-attention layer."""
+
+    pattern: str = "Rect(keys=0:32) + Diag(window=1024)"
+
+    def __post_init__(self):
+        try:
+            split(parse_pattern(self.pattern))
+        except ValueError as exc:
+            raise ValueError(f"bad value for pattern: {exc}") from None
+
+
+def visible(layer: SasLayer, q_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """The pattern over the layer's rows: static rows by the static part, pool rows by the dynamic area."""
+    plan = layer.plan
+    mask = plan.static.visible(q_pos, key_pos)
+    if layer.dynamic is not None:
+        mask = torch.where(layer.in_pool[: key_pos.shape[-1]], plan.area.visible(q_pos, key_pos), mask)
+    return mask
+
+
+def _refresh_selection(layer: SasLayer, width: int) -> torch.Tensor:
+    """refresh=true: [B, Hkv, width] True except for pool rows outside the top `budget` by score."""
+    keep = torch.ones(*layer.score.shape[:2], width, dtype=torch.bool, device=layer.device)
+    pool = layer.score[:, :, layer.static:layer.staging]
+    if layer.pool > layer.dynamic.budget:
+        top = pool.topk(layer.dynamic.budget, dim=-1).indices
+        chosen = torch.zeros_like(pool, dtype=torch.bool).scatter_(-1, top, True)
+        keep[:, :, layer.static:layer.staging] = chosen
+    return keep
+
+
+def _reduce_heads(p: torch.Tensor, how: str) -> torch.Tensor:
+    """p: [B, Hkv, G, ...] -> [B, Hkv, ...] over the query heads that share a KV head."""
+    return p.amax(dim=2) if how == "max" else (p.mean(dim=2) if how == "mean" else p.sum(dim=2))
+
+
+def _prefill_reference(layer, query, key, value, scaling, offset):
+    """SDPA with the explicit mask (H2O layers: softmax formed here, probabilities accumulated into scores)."""
+    B, Hq, T, D = query.shape
+    group = Hq // key.shape[1]
+    width = layer.staging + T
+    q_pos = torch.arange(offset, offset + T, device=query.device)[:, None]
+    heads = layer.key_pos if layer.dynamic is not None else layer.key_pos[:, :1]
+    mask = visible(layer, q_pos, heads[:, :, None, :width])  # [B, Hkv or 1, T, width]
+    if layer.dynamic is not None and layer.dynamic.refresh:
+        mask = mask & _refresh_selection(layer, width)[:, :, None]
+    k, v = key[:, :, :width], value[:, :, :width]
+    if layer.dynamic is None:
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
+        return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    out = torch.empty_like(query)
+    gained = torch.zeros(B, k.shape[1], width, dtype=torch.float32, device=query.device)
+    for lo in range(0, T, _QUERY_SLICE):
+        q = query[:, :, lo:lo + _QUERY_SLICE].float().view(B, k.shape[1], group, -1, D)
+        s = torch.matmul(q, k.float()[:, :, None].transpose(-1, -2)) * scaling  # [B, Hkv, G, t, width]
+        s = s.masked_fill(~mask[:, :, None, lo:lo + _QUERY_SLICE], float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        out[:, :, lo:lo + _QUERY_SLICE] = torch.matmul(p, v.float()[:, :, None]).view(B, Hq, -1, D).to(query.dtype)
+        gained += _reduce_heads(p, layer.dynamic.reduce).sum(dim=-2)
+    _gain(layer, gained, T)
+    return out
+
+
+def _gain(layer: SasLayer, gained: torch.Tensor, n_staged: int) -> None:
+    """Add a chunk's (or step's) attention to the rows' scores; pool(w) smooths the chunk's own keys."""
+    w = layer.dynamic.pool
+    if w > 1 and n_staged > 1:
+        staged = gained[:, :, layer.staging:layer.staging + n_staged]
+        gained[:, :, layer.staging:layer.staging + n_staged] = F.max_pool1d(staged, w, stride=1, padding=w // 2)
+    layer.score[:, :, : gained.shape[-1]] += gained
+
+
+def admit(layer: SasLayer, candidates: torch.Tensor, offset: int | None) -> None:
+    """Candidates [W] (key positions, -1 = none) compete with the pool; the pool keeps the best `budget`."""
+    valid = candidates >= 0
+    src = torch.where(valid, layer.rows_of(candidates, offset), layer.trash)
+    if layer.dynamic.refresh:
+        dst = torch.where(valid, layer.static + layer.pool_rank[candidates.clamp(min=0)], layer.trash)
+        for buf in (layer.keys, layer.values, layer.key_pos, layer.score):
+            buf.index_copy_(2, dst, buf.index_select(2, src))
+    else:
+        pool_rows = torch.arange(layer.static, layer.staging, device=layer.device)
+        union_rows = torch.cat([pool_rows, src])  # [P + W]
+        score = layer.score.index_select(2, union_rows)
+        score[:, :, pool_rows.numel():] = score[:, :, pool_rows.numel():].masked_fill(~valid, float("-inf"))
+        top_score, top = score.topk(layer.pool, dim=-1)  # [B, Hkv, P]
+        rows = union_rows[top]
+        for buf in (layer.keys, layer.values):
+            picked = torch.gather(buf, 2, rows[..., None].expand(-1, -1, -1, buf.shape[-1]))
+            buf[:, :, layer.static:layer.staging] = picked
+        positions = torch.gather(layer.key_pos, 2, rows)
+        layer.key_pos[:, :, layer.static:layer.staging] = torch.where(top_score > float("-inf"), positions, -1)
+        layer.score[:, :, layer.static:layer.staging] = top_score
+    layer.key_pos[:, :, layer.trash] = -1
+
+
+def _decode(layer: SasLayer, query, key, value, scaling, cache: SasCache):
+    """One token over the compacted cache: rows [0, staging] (the staging row may hold this very key)."""
+    pos = cache.position_on(query.device)
+    width = layer.staging + 1
+    heads = layer.key_pos if layer.dynamic is not None else layer.key_pos[:, :1]
+    mask = visible(layer, pos.view(1, 1, 1), heads[:, :, :width])
+    if layer.dynamic is not None and layer.dynamic.refresh:
+        mask = mask & _refresh_selection(layer, width)
+    mask = mask.expand(key.shape[0], key.shape[1], width).contiguous()
+    if not hasattr(layer, "width_t"):
+        layer.width_t = torch.full((key.shape[0],), width, dtype=torch.long, device=query.device)
+    out, lse = decode_attention(query[:, :, 0], key[:, :, :width], value[:, :, :width], layer.width_t,
+                                scale=scaling, key_mask=mask, return_lse=True)
+    if layer.dynamic is not None:
+        B, Hq, D = out.shape
+        q = query[:, :, 0].float().view(B, key.shape[1], Hq // key.shape[1], 1, D)
+        s = torch.matmul(q, key[:, :, :width].float()[:, :, None].transpose(-1, -2))[..., 0, :] * scaling
+        p = torch.exp(s - lse.view(B, key.shape[1], -1, 1)).masked_fill(~mask[:, :, None], 0.0)
+        _gain(layer, _reduce_heads(p, layer.dynamic.reduce), 1)
+        if layer.enter_keys.numel():
+            idx = layer.enter_start[pos + 1] + torch.arange(layer.enter_width, device=pos.device)
+            ok = idx < layer.enter_start[pos + 2]
+            admit(layer, torch.where(ok, layer.enter_keys[idx.clamp(max=layer.enter_keys.numel() - 1)], -1), None)
+    return out.unsqueeze(1)
+
+
+class SasEngine(Engine):
+    name = "sas-pattern"
+    Config = SasConfig
+
+    @staticmethod
+    def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
+                  **kwargs):
+        if longctx is None:
+            raise outside_engine_error()
+        layer = longctx.layers[module.layer_idx]
+        if longctx.decoding:
+            return _decode(layer, query, key, value, scaling, longctx), None
+        offset, t = longctx.offset, query.shape[2]
+        if query.is_cuda and t >= _FLEX_MIN_QUERIES and layer.dynamic is None:
+            out = flex_prefill(layer, query, key, value, scaling, offset)
+        else:
+            out = _prefill_reference(layer, query, key, value, scaling, offset)
+        if layer.dynamic is not None:
+            admit(layer, layer.enter_keys[layer.enter_start[offset + 1]:layer.enter_start[offset + t + 1]], offset)
+        layer.commit_chunk(offset, t)
+        return out.transpose(1, 2), None
+
+    def layer_patterns(self) -> list:
+        """Per decoder layer, the pattern it runs: the profile's, or the model's own window on sliding layers."""
+        window = getattr(self.text_config, "sliding_window", None)
+        pattern = parse_pattern(self.config.pattern)
+        return [Diag(window=window) if t == "sliding_attention" else pattern for t in layer_types(self.model.config)]
+
+    def make_cache(self, capacity: int) -> SasCache:
+        start = time.perf_counter()
+        patterns = self.layer_patterns()
+        plans = [plan_cache(p, capacity) for p in patterns]
+        self._analysis_s = time.perf_counter() - start
+        sliding = [t == "sliding_attention" for t in layer_types(self.model.config)]
+        return SasCache(plans, sliding, capacity, min(self.run.chunk_size, capacity))
+
+    def prefill(self, ids, *, reserve, progress=None) -> DocumentState:
+        state = super().prefill(ids, reserve=reserve, progress=progress)
+        state.counters["analysis_s"] = round(self._analysis_s, 3)
+        return state
+
+    @classmethod
+    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
+        """Compacted K/V per layer (slots + a staging chunk of up to 2048 rows) plus the key positions."""
+        config = engine_config or SasConfig()
+        per_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
+        text = model_config.get_text_config(decoder=True)
+        pattern, window = parse_pattern(config.pattern), getattr(text, "sliding_window", None)
+        total = 0
+        for t in layer_types(model_config):
+            rows = plan_cache(Diag(window=window) if t == "sliding_attention" else pattern, n_tokens).slots
+            rows += min(2048, n_tokens) + 1
+            total += rows * (per_layer + 8 * text.num_key_value_heads)
+        return total
+
+    def kv_read_bytes(self, model_config, n_tokens: int, dtype_bytes: int) -> int:
+        """Per decode step every layer reads its compacted cache (slots + one staging row)."""
+        per_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
+        return sum((plan_cache(p, n_tokens).slots + 1) * per_layer for p in self.layer_patterns())
+
+    def backends(self) -> dict[str, str]:
+        flex = "flex attention (pattern block mask)" if self.device.type == "cuda" else "sdpa reference (explicit mask)"
+        return {"prefill_attention": f"{flex}; short chunks and H2O layers: sdpa/explicit softmax",
+                "decode_attention": f"{decode_backend(self.device)} over the compacted cache (per-slot mask)"}
+
+    def counters(self, state: DocumentState) -> dict:
+        out = super().counters(state)
+        types = layer_types(self.model.config)
+        plans = {}
+        for layer, kind in zip(state.cache.layers, types):
+            plans.setdefault(kind, layer.plan)
+        out["pattern"] = self.config.pattern
+        out["kv_cache_slots"] = "; ".join(
+            f"{plan.describe()} ({sum(t == kind for t in types)} {kind.replace('_attention', '')} layers"
+            + (", the model's own window, exact)" if kind == "sliding_attention" else ")")
+            for kind, plan in plans.items())
+        return out
