@@ -102,6 +102,11 @@ class Engine(ABC):
         return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * n_tokens * dtype_bytes
 
     @classmethod
+    def plan_notes(cls, model_config, n_tokens: int, engine_config=None) -> list[str]:
+        """Lines `longctx plan` prints about this engine's state for n_tokens (e.g. sas's cache sizes)."""
+        return []
+
+    @classmethod
     def kv_read_bytes(cls, model_config, n_tokens: int, dtype_bytes: int) -> int:
         """Bytes of KV one decode step reads at context n_tokens (sliding-window layers read their window)."""
         text = model_config.get_text_config(decoder=True)

@@ -111,6 +111,8 @@ def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None
     err.print(table)
     err.print(f"document: {n_tokens:,} tokens, KV capacity {est['capacity']:,} tokens, "
               f"model context {est['max_context']:,}")
+    for line in ENGINES[profile.engine].plan_notes(config, est["capacity"], profile.engine_config):
+        err.print(line)
     verdict = 0
     if est["max_context"] and est["capacity"] > est["max_context"]:
         err.print(f"[red]too long:[/] {est['capacity']:,} tokens exceed the model's {est['max_context']:,}; "

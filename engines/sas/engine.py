@@ -35,6 +35,7 @@ from kernels.decode_attention import decode_attention, decode_backend
 # Below this many queries a chunk runs the SDPA path (FlexAttention's query tile is 128).
 _FLEX_MIN_QUERIES = 128
 _QUERY_SLICE = 256  # queries per slice when the probabilities are formed explicitly (H2O)
+_EXACT_UP_TO = 65536  # plans (memory, roofline) analyse exactly up to this many tokens
 
 
 @dataclass
@@ -161,6 +162,22 @@ def _decode(layer: SasLayer, query, key, value, scaling, cache: SasCache):
     return out.unsqueeze(1)
 
 
+def _layer_patterns(model_config, config: SasConfig) -> list:
+    """Per decoder layer, the pattern it runs: the profile's, or the model's own window on sliding layers."""
+    window = getattr(model_config.get_text_config(decoder=True), "sliding_window", None)
+    pattern = parse_pattern(config.pattern)
+    return [Diag(window=window) if t == "sliding_attention" else pattern for t in layer_types(model_config)]
+
+
+def cache_slots(pattern, n: int) -> int:
+    """Cache rows for n tokens; past 64K tokens extrapolated linearly from 32K and 64K (exact for bounded
+    patterns, whose size stops growing, and for those that grow linearly), so that plans stay cheap."""
+    if n <= _EXACT_UP_TO:
+        return plan_cache(pattern, n).slots
+    a, b = plan_cache(pattern, _EXACT_UP_TO // 2).slots, plan_cache(pattern, _EXACT_UP_TO).slots
+    return min(n, b + (b - a) * (n - _EXACT_UP_TO) // (_EXACT_UP_TO // 2))
+
+
 class SasEngine(Engine):
     name = "sas-pattern"
     Config = SasConfig
@@ -184,10 +201,7 @@ class SasEngine(Engine):
         return out.transpose(1, 2), None
 
     def layer_patterns(self) -> list:
-        """Per decoder layer, the pattern it runs: the profile's, or the model's own window on sliding layers."""
-        window = getattr(self.text_config, "sliding_window", None)
-        pattern = parse_pattern(self.config.pattern)
-        return [Diag(window=window) if t == "sliding_attention" else pattern for t in layer_types(self.model.config)]
+        return _layer_patterns(self.model.config, self.config)
 
     def make_cache(self, capacity: int) -> SasCache:
         start = time.perf_counter()
@@ -205,21 +219,26 @@ class SasEngine(Engine):
     @classmethod
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
         """Compacted K/V per layer (slots + a staging chunk of up to 2048 rows) plus the key positions."""
-        config = engine_config or SasConfig()
         per_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
-        text = model_config.get_text_config(decoder=True)
-        pattern, window = parse_pattern(config.pattern), getattr(text, "sliding_window", None)
-        total = 0
-        for t in layer_types(model_config):
-            rows = plan_cache(Diag(window=window) if t == "sliding_attention" else pattern, n_tokens).slots
-            rows += min(2048, n_tokens) + 1
-            total += rows * (per_layer + 8 * text.num_key_value_heads)
-        return total
+        heads = model_config.get_text_config(decoder=True).num_key_value_heads
+        rows = sum(cache_slots(p, n_tokens) + min(2048, n_tokens) + 1
+                   for p in _layer_patterns(model_config, engine_config or SasConfig()))
+        return rows * (per_layer + 8 * heads)
+
+    @classmethod
+    def plan_notes(cls, model_config, n_tokens: int, engine_config=None) -> list[str]:
+        patterns = _layer_patterns(model_config, engine_config or SasConfig())
+        kinds = {}
+        for p, t in zip(patterns, layer_types(model_config)):
+            kinds.setdefault((t, p), 0)
+            kinds[(t, p)] += 1
+        return [f"sas-pattern KV cache: {cache_slots(p, n_tokens):,} of {n_tokens:,} tokens per layer on {count} "
+                f"{t.replace('_attention', '')} layers ({p})" for (t, p), count in kinds.items()]
 
     def kv_read_bytes(self, model_config, n_tokens: int, dtype_bytes: int) -> int:
         """Per decode step every layer reads its compacted cache (slots + one staging row)."""
         per_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
-        return sum((plan_cache(p, n_tokens).slots + 1) * per_layer for p in self.layer_patterns())
+        return sum((cache_slots(p, n_tokens) + 1) * per_layer for p in self.layer_patterns())
 
     def backends(self) -> dict[str, str]:
         flex = "flex attention (pattern block mask)" if self.device.type == "cuda" else "sdpa reference (explicit mask)"

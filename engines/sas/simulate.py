@@ -56,10 +56,7 @@ def simulate(pattern: Pattern, n: int, slot_of: torch.Tensor, size: int) -> Simu
             _, kind, key = heapq.heappop(queue)
             slot = int(slots[key])
             if kind == STORE:
-                assert 0 <= slot < size, f"step {step}: key {key} stored to slot {slot}, outside [0, {size})"
-                assert not live[slot], f"step {step}: key {key} stored to slot {slot}, which holds live key {held[slot]}"
-                assert seen[:, key].any(), f"step {step}: key {key} stored to slot {slot} but no query attends to it"
-                held[slot], live[slot] = key, True
+                _store(step, key, slot, seen, held, live)
             elif kind == EVICT:
                 live[slot] = False
             elif 0 <= slot < size and held[slot] == key:
@@ -70,7 +67,8 @@ def simulate(pattern: Pattern, n: int, slot_of: torch.Tensor, size: int) -> Simu
             live_per_step.append(int(live.sum()))
             active_per_step.append(int(active.sum()))
     most = max(live_per_step, default=0)
-    assert most == size, f"cache size {size} is not minimal: at most {most} keys are alive at once"
+    if most != size:
+        raise AssertionError(f"cache size {size} is not minimal: at most {most} keys are alive at once")
     return SimulationTrace(size, torch.tensor(live_per_step, dtype=torch.long),
                            torch.tensor(active_per_step, dtype=torch.long), count)
 
@@ -88,6 +86,18 @@ def _events(seen: np.ndarray, slots: np.ndarray) -> list[tuple[int, int, int]]:
         q, k = np.nonzero(cells)
         events += [(step, kind, key) for step, key in zip(q.tolist(), k.tolist())]
     return events
+
+
+def _store(step: int, key: int, slot: int, seen, held, live) -> None:
+    # Raised rather than asserted, so that `python -O` cannot turn the oracle off.
+    where = f"step {step}: key {key} stored to slot {slot}"
+    if not 0 <= slot < held.shape[0]:
+        raise AssertionError(f"{where}, outside [0, {held.shape[0]})")
+    if live[slot]:
+        raise AssertionError(f"{where}, which holds live key {held[slot]}")
+    if not seen[:, key].any():
+        raise AssertionError(f"{where} but no query attends to it")
+    held[slot], live[slot] = key, True
 
 
 def _check_step(q: int, seen, slots, held, live, active) -> None:
