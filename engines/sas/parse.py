@@ -209,6 +209,8 @@ def _score(chain: str, fail) -> dict:
         m = re.fullmatch(r"pool\((\d+)\)", step)
         if m and "pool" not in out:
             out["pool"] = int(m.group(1))
+            if out["pool"] < 1 or out["pool"] % 2 == 0:
+                raise fail(f"the pool width must be an odd integer >= 1, got {out['pool']} in {chain!r}")
         elif step in ("sum", "mean", "max") and "reduce" not in out and "pool" not in out:
             out["reduce"] = step
         else:

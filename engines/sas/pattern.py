@@ -238,7 +238,7 @@ class Or(_Binary):
         return self.left.mask(q, k) | self.right.mask(q, k)
 
     def __str__(self) -> str:
-        return f"{self.left} + {self.right}"
+        return f"{self.left} + {_operand(self.right, Or)}"
 
 
 @dataclass(frozen=True)
@@ -247,7 +247,7 @@ class And(_Binary):
         return self.left.mask(q, k) & self.right.mask(q, k)
 
     def __str__(self) -> str:
-        return f"{_operand(self.left, Or)} * {_operand(self.right, Or)}"
+        return f"{_operand(self.left, Or)} * {_operand(self.right, (Or, And))}"
 
 
 @dataclass(frozen=True)
