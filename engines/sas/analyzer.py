@@ -137,7 +137,7 @@ def assign_slots(last: torch.Tensor) -> tuple[torch.Tensor, int]:
     return slot_of, size
 
 
-@dataclass(eq=False)  # hashed by identity: plans are cached and shared by layers
+@dataclass
 class CachePlan:
     """A pattern's KV cache for a sequence of n tokens (per layer; the same for every head)."""
 

@@ -30,7 +30,7 @@ from engines.sas.analyzer import CachePlan, plan_cache, split
 from engines.sas.cache import SasCache, SasLayer
 from engines.sas.flex import flex_prefill
 from engines.sas.parse import parse_pattern
-from engines.sas.pattern import Diag
+from engines.sas.pattern import Diag, Pattern
 from kernels.decode_attention import decode_attention, decode_backend
 
 # Below this many queries a chunk runs the SDPA path (FlexAttention's query tile is 128).
@@ -52,23 +52,29 @@ class SasConfig:
             raise ValueError(f"bad value for pattern: {exc}") from None
 
 
-def _rows_visible(plan: CachePlan, q_pos: torch.Tensor, key_pos: torch.Tensor, in_pool: torch.Tensor):
+def _rows_visible(static: Pattern, area: Pattern | None, q_pos: torch.Tensor, key_pos: torch.Tensor,
+                  in_pool: torch.Tensor) -> torch.Tensor:
     """The pattern over a layer's rows: static rows by the static part, pool rows by the dynamic area."""
-    mask = plan.static.visible(q_pos, key_pos)
-    if plan.dynamic is not None:
-        mask = torch.where(in_pool, plan.area.visible(q_pos, key_pos), mask)
+    mask = static.visible(q_pos, key_pos)
+    if area is not None:
+        mask = torch.where(in_pool, area.visible(q_pos, key_pos), mask)
     return mask
 
 
+def _parts(plan: CachePlan) -> tuple[Pattern, Pattern | None]:
+    return plan.static, (plan.area if plan.dynamic is not None else None)
+
+
 def visible(layer: SasLayer, q_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-    return _rows_visible(layer.plan, q_pos, key_pos, layer.in_pool[: key_pos.shape[-1]])
+    return _rows_visible(*_parts(layer.plan), q_pos, key_pos, layer.in_pool[: key_pos.shape[-1]])
 
 
 @functools.cache
-def _slot_mask(plan: CachePlan, cuda: bool):
+def _slot_mask(static: Pattern, area: Pattern | None, cuda: bool):
     """The decode step's mask over the rows. On GPU the pattern's dozen elementwise ops are compiled into one
-    kernel: eager they cost 15-50 us per layer and step (measured on an H100), more than the attention."""
-    fn = functools.partial(_rows_visible, plan)
+    kernel: eager they cost 15-50 us per layer and step (measured on an H100), more than the attention. Keyed
+    by the patterns (equal across documents), so a new document reuses the compiled kernel."""
+    fn = functools.partial(_rows_visible, static, area)
     return torch.compile(fn, fullgraph=True, dynamic=False) if cuda else fn
 
 
@@ -153,7 +159,8 @@ def _decode(layer: SasLayer, query, key, value, scaling, cache: SasCache):
     pos = cache.position_on(query.device)
     width = layer.staging + 1
     heads = layer.key_pos if layer.dynamic is not None else layer.key_pos[:, :1]
-    mask = _slot_mask(layer.plan, query.is_cuda)(pos.view(1, 1, 1), heads[:, :, :width], layer.in_pool[:width])
+    mask = _slot_mask(*_parts(layer.plan), query.is_cuda)(pos.view(1, 1, 1), heads[:, :, :width],
+                                                          layer.in_pool[:width])
     if layer.dynamic is not None and layer.dynamic.refresh:
         mask = mask & _refresh_selection(layer, width)
     mask = mask.expand(key.shape[0], key.shape[1], width).contiguous()
