@@ -113,7 +113,8 @@ def test_bad_pattern_is_one_line_exit_4(pattern, column, capsys, monkeypatch, tm
 def test_plan_reports_cache_size(capsys, monkeypatch):
     code, out, err = run_cli(["plan", "--profile", "sas-block-local", "--tokens", "16k"], capsys, monkeypatch)
     assert code == 0
-    assert "sas-pattern KV cache: 384 of" in " ".join(err.split())
+    text = " ".join(err.split())
+    assert "sas-pattern KV cache: 384 of" in text and "cache index of key k: k % 384" in text
 
 
 @gpu

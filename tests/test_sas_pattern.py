@@ -278,3 +278,18 @@ def test_split_static_pattern():
 def test_split_rejects(text, reason):
     with pytest.raises(ValueError, match=f"^bad pattern: .*{reason}"):
         split(parse_pattern(text))
+
+
+@pytest.mark.parametrize("text,formula", [
+    ("Rect(keys=0:32) + Diag(window=1024)", "k < 32: k; k >= 32: 32 + (k - 32) % 1024"),
+    ("Rect(size=[128, 128]) >> Diag(window=3)", "k % 384"),
+    ("Diag(window=1024)", "k % 1024"),
+    ("(Rect(size=[256, 256]) >> Diag(window=1)) * Rect(stride=4)", "k % 4 == 0: (k // 4) % 64; else not stored"),
+    ("Diag()", "k"),
+    ("Diag(window=512) + Diag(stride=512)", "a table of 16384 slots"),
+], ids=["streaming", "block-local", "sliding", "strided-block-local", "causal", "strided"])
+def test_cache_index_function_in_closed_form(text, formula):
+    """The paper's Figure 12: the slot table read back as a formula where it has one."""
+    from engines.sas.analyzer import describe_index
+
+    assert describe_index(plan_cache(text, 16384).slot_of) == formula

@@ -194,3 +194,35 @@ def max_alive(pattern: Pattern, n: int) -> int:
     last = torch.where(seen, q[:, None], -1).amax(dim=0)
     alive = (q[None, :] <= q[:, None]) & (last[None, :] >= q[:, None]) & used[None, :]
     return int(alive.sum(dim=1).max()) if n else 0
+
+
+def describe_index(slot_of: torch.Tensor) -> str:
+    """The cache index function as a formula where it has a closed form (the paper's Figure 12), else a
+    table: e.g. StreamingLLM "k < 32: k; k >= 32: 32 + (k - 32) % 1024", strided block-local
+    "k % 4 == 0: (k // 4) % 64; else not stored"."""
+    n = slot_of.numel()
+    k = torch.arange(n)
+    stored = slot_of >= 0
+    if n and not stored.all():
+        ok = stored.nonzero()[:, 0]
+        step = int(torch.diff(ok).min()) if ok.numel() > 1 else 1
+        first = int(ok[0]) if ok.numel() else 0
+        if ok.numel() and bool((stored == ((k - first) % step == 0) & (k >= first)).all()):
+            inner = _ring_pieces(slot_of[ok], f"(k // {step})" if first % step == 0 else f"((k - {first}) // {step})")
+            if inner is not None:
+                return f"k % {step} == {first % step}: {inner}; else not stored"
+        return f"a table of {n} slots ({int(stored.sum())} keys stored)"
+    return _ring_pieces(slot_of, "k") or f"a table of {n} slots"
+
+
+def _ring_pieces(t: torch.Tensor, var: str) -> str | None:
+    """t[i] = i below `base`, then base + (i - base) % m (a ring after fixed slots); None if not that shape."""
+    i = torch.arange(t.numel())
+    prefix = int((t == i).int().cumprod(0).sum())  # length of the identity prefix
+    if prefix == t.numel():
+        return var
+    base = int(t[prefix:].min())
+    m = int(t[prefix:].max()) - base + 1
+    if prefix < base or not bool((t[base:] == base + (i[base:] - base) % m).all()):
+        return None
+    return f"{var} % {m}" if base == 0 else f"{var} < {base}: {var}; {var} >= {base}: {base} + ({var} - {base}) % {m}"

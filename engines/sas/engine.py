@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from engines.base import DocumentState, Engine, outside_engine_error
 from engines.cache import layer_types
-from engines.sas.analyzer import CachePlan, plan_cache, split
+from engines.sas.analyzer import CachePlan, describe_index, plan_cache, split
 from engines.sas.cache import SasCache, SasLayer
 from engines.sas.flex import flex_prefill
 from engines.sas.parse import parse_pattern
@@ -251,8 +251,13 @@ class SasEngine(Engine):
         for p, t in zip(patterns, layer_types(model_config)):
             kinds.setdefault((t, p), 0)
             kinds[(t, p)] += 1
-        return [f"sas-pattern KV cache: {cache_slots(p, n_tokens):,} of {n_tokens:,} tokens per layer on {count} "
-                f"{t.replace('_attention', '')} layers ({p})" for (t, p), count in kinds.items()]
+        lines = []
+        for (t, p), count in kinds.items():
+            lines.append(f"sas-pattern KV cache: {cache_slots(p, n_tokens):,} of {n_tokens:,} tokens per layer on "
+                         f"{count} {t.replace('_attention', '')} layers ({p})")
+            if n_tokens <= _EXACT_UP_TO:
+                lines.append(f"  cache index of key k: {describe_index(plan_cache(p, n_tokens).slot_of)}")
+        return lines
 
     def kv_read_bytes(self, model_config, n_tokens: int, dtype_bytes: int) -> int:
         """Per decode step every layer reads its compacted cache (slots + one staging row)."""
