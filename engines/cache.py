@@ -76,10 +76,12 @@ class StaticKVCache(Cache):
 
     layer_class = StaticKVLayer
 
-    def __init__(self, config, capacity: int):
-        window = getattr(config.get_text_config(decoder=True), "sliding_window", None)
-        layers = [self.layer_class(self, capacity, window if t == "sliding_attention" else None)
-                  for t in layer_types(config)]
+    def __init__(self, config, capacity: int, layers: list | None = None):
+        """layers: an engine's own cache layers (default: one `layer_class` per decoder layer)."""
+        if layers is None:
+            window = getattr(config.get_text_config(decoder=True), "sliding_window", None)
+            layers = [self.layer_class(self, capacity, window if t == "sliding_attention" else None)
+                      for t in layer_types(config)]
         super().__init__(layers=layers)
         self.capacity = capacity
         self.offset = 0  # prefill: first position of the chunk in flight

@@ -19,8 +19,9 @@ heads of the KV head.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
+from engines.cache import StaticKVCache, layer_types
 from engines.sas.analyzer import CachePlan
 
 
@@ -46,6 +47,8 @@ class SasLayer(CacheLayerMixin):
         self.key_pos = torch.full((batch, heads, self.rows), -1, dtype=torch.long, device=self.device)
         self.in_pool = torch.zeros(self.rows, dtype=torch.bool, device=self.device)
         self.in_pool[self.static:self.staging] = True
+        # Rows one decode step reads: the slots plus the staging row (a device tensor for the kernel).
+        self.decode_rows = torch.full((batch,), self.staging + 1, dtype=torch.long, device=self.device)
         self.slot_of = self.plan.slot_of.to(self.device)
         self.last = self.plan.last.to(self.device)
         if self.dynamic is not None:
@@ -129,32 +132,11 @@ class SasLayer(CacheLayerMixin):
         return self.keys.nbytes + self.values.nbytes + extra
 
 
-class SasCache(Cache):
+class SasCache(StaticKVCache):
     """One SasLayer per decoder layer; `capacity` is the sequence length the plans were made for."""
 
-    def __init__(self, plans: list[CachePlan], sliding: list[bool], capacity: int, staging: int):
+    def __init__(self, config, plans: list[CachePlan], capacity: int, staging: int):
+        sliding = [t == "sliding_attention" for t in layer_types(config)]
         layers = [SasLayer(self, plan, staging, s) for plan, s in zip(plans, sliding)]
-        super().__init__(layers=layers)
-        self.capacity = capacity
-        self.offset = 0
-        self.filled = 0
-        self.decoding = False
-        self._position: dict[torch.device, torch.Tensor] = {}
+        super().__init__(config, capacity, layers)
         self.block_masks: dict = {}  # FlexAttention block masks of the chunk in flight (engines/sas/flex.py)
-
-    def begin_chunk(self, offset: int, n: int) -> None:
-        if offset + n > self.capacity:
-            raise ValueError(f"chunk [{offset}, {offset + n}) does not fit a sequence of {self.capacity} tokens")
-        self.decoding, self.offset, self.filled = False, offset, offset + n
-
-    def begin_decode(self, position: torch.Tensor, length: torch.Tensor) -> None:
-        self.decoding = True
-        self._position = {position.device: position}
-
-    def position_on(self, device: torch.device) -> torch.Tensor:
-        if device not in self._position:
-            self._position[device] = next(iter(self._position.values())).to(device, non_blocking=True)
-        return self._position[device]
-
-    def nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)

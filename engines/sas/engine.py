@@ -164,9 +164,7 @@ def _decode(layer: SasLayer, query, key, value, scaling, cache: SasCache):
     if layer.dynamic is not None and layer.dynamic.refresh:
         mask = mask & _refresh_selection(layer, width)
     mask = mask.expand(key.shape[0], key.shape[1], width).contiguous()
-    if not hasattr(layer, "width_t"):
-        layer.width_t = torch.full((key.shape[0],), width, dtype=torch.long, device=query.device)
-    out, lse = decode_attention(query[:, :, 0], key[:, :, :width], value[:, :, :width], layer.width_t,
+    out, lse = decode_attention(query[:, :, 0], key[:, :, :width], value[:, :, :width], layer.decode_rows,
                                 scale=scaling, key_mask=mask, return_lse=True)
     if layer.dynamic is not None:
         B, Hq, D = out.shape
@@ -227,8 +225,7 @@ class SasEngine(Engine):
         patterns = self.layer_patterns()
         plans = [plan_cache(p, capacity) for p in patterns]
         self._analysis_s = time.perf_counter() - start
-        sliding = [t == "sliding_attention" for t in layer_types(self.model.config)]
-        return SasCache(plans, sliding, capacity, min(self.run.chunk_size, capacity))
+        return SasCache(self.model.config, plans, capacity, min(self.run.chunk_size, capacity))
 
     def prefill(self, ids, *, reserve, progress=None) -> DocumentState:
         state = super().prefill(ids, reserve=reserve, progress=progress)

@@ -21,6 +21,7 @@ from row `settled(k)` on, except where it crosses one of `rows()` (the finite ro
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -55,15 +56,17 @@ class Pattern:
         """What the engine applies: the pattern and causality (k <= q); dynamic parts count as visible."""
         return self.mask(q, k) & (k <= q) & (k >= 0)
 
+    # Leaves (Rect, Diag, Dynamic) and Spread say these themselves; a boolean combination of columns repeats
+    # once every child's does, with every child's period, and changes where any child's rows do.
     def settled(self, k: torch.Tensor) -> torch.Tensor:
         """k: key positions -> the row from which each key's column repeats with `period()`."""
-        raise NotImplementedError
+        return functools.reduce(torch.maximum, (c.settled(k) for c in self.children()))
 
     def period(self) -> int:
-        raise NotImplementedError
+        return math.lcm(*(c.period() for c in self.children()))
 
     def rows(self) -> frozenset[int]:
-        return frozenset()
+        return frozenset().union(*(c.rows() for c in self.children()))
 
     def dynamic(self) -> list["Dynamic"]:
         """The Dynamic nodes inside this pattern."""
@@ -222,15 +225,6 @@ class _Binary(Pattern):
     def children(self):
         return (self.left, self.right)
 
-    def settled(self, k):
-        return torch.maximum(self.left.settled(k), self.right.settled(k))
-
-    def period(self) -> int:
-        return math.lcm(*(c.period() for c in self.children()))
-
-    def rows(self) -> frozenset[int]:
-        return self.left.rows() | self.right.rows()
-
 
 @dataclass(frozen=True)
 class Or(_Binary):
@@ -259,15 +253,6 @@ class Not(Pattern):
 
     def children(self):
         return (self.inner,)
-
-    def settled(self, k):
-        return self.inner.settled(k)
-
-    def period(self) -> int:
-        return self.inner.period()
-
-    def rows(self) -> frozenset[int]:
-        return self.inner.rows()
 
     def __str__(self) -> str:
         return f"~{_operand(self.inner, (Or, And))}"
