@@ -1,0 +1,171 @@
+"""The bounded device-side KV cache of `ltri-stream`, one layer per decoder layer.
+
+Rows of a layer's buffers [B, Hkv, rows, D] on the compute device:
+
+    [0, n_init)                     the first n_init tokens (attention sinks), kept for good
+    [n_init, n_init + R)            retrieved blocks, R = top_k * block (slot s holds block `slots[s]`)
+    [local0, local0 + local_cap)    the local window, oldest first: the last >= n_local tokens, then the chunk
+                                    in flight, then (decode) the generated tokens
+
+`key_pos` [rows] (device) holds each row's token position (-1: empty), so every mask is "valid and causal"
+(and inside the window, for the model's own sliding-window layers). After a chunk's attention, whole blocks
+older than the window leave: their K/V go to CPU context memory and their span index vectors to the index
+memory; the window shifts down. Sliding-window layers keep only their window and drop what leaves it.
+Nothing here grows with the document except the CPU context memory and the index vectors.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from engines.cache import StaticKVCache
+from engines.ltri.memory import ContextMemory, IndexMemory
+
+
+class LtriLayer(CacheLayerMixin):
+    is_compileable = False
+
+    def __init__(self, owner: "LtriCache", *, n_init: int, n_retrieved: int, n_local: int, block: int,
+                 room: int, window: int | None, retrieve: bool):
+        super().__init__()
+        self.owner, self.block, self.window, self.retrieve = owner, block, window, retrieve
+        self.is_sliding = window is not None
+        self.n_init, self.n_retrieved, self.n_local = n_init, n_retrieved, n_local
+        self.local0 = n_init + n_retrieved
+        self.local_cap = n_local + block + room
+        self.rows = self.local0 + self.local_cap
+        self.local_len = 0  # rows of the local window in use
+        self.local_start = n_init  # position of local row 0
+        self.slots = [-1] * (n_retrieved // block)  # block id per retrieval slot
+        self.pending: dict[int, list] = {}  # block id -> spans, for blocks still in the window
+        self.peak_rows = 0  # most valid rows ever held (measured at every chunk)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        if batch != 1:
+            raise ValueError(f"ltri-stream runs one sequence at a time, got a batch of {batch}")
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.keys = torch.zeros(batch, heads, self.rows, dim, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(batch, heads, self.rows, value_states.shape[-1], dtype=self.dtype,
+                                  device=self.device)
+        self.key_pos = torch.full((self.rows,), -1, dtype=torch.long, device=self.device)
+        self.votes = torch.zeros(self.rows, dtype=torch.float32, device=self.device)
+        self.shift = torch.zeros(1, dtype=torch.long, device=self.device)  # decode: row = position - shift
+        if self.retrieve:
+            pin = self.device.type == "cuda"
+            self.memory = ContextMemory(heads, self.block, dim, self.dtype, pin)
+            self.index = IndexMemory(heads, dim, self.dtype, self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states: [1, Hkv, T, D] -> the whole buffers; prefill appends to the window, decode writes at
+        row position - shift (a device tensor: no host sync, CUDA-graph safe)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        owner = self.owner
+        if owner.decoding:
+            pos = owner.position_on(self.device)
+            row = pos - self.shift
+            self.keys.index_copy_(2, row, key_states)
+            self.values.index_copy_(2, row, value_states)
+            self.key_pos.index_copy_(0, row, pos)
+            return self.keys, self.values
+        offset, t = owner.offset, key_states.shape[2]
+        n_head = max(0, min(t, self.n_init - offset))  # tokens that belong to the init rows
+        if n_head:
+            self._write(offset, key_states[:, :, :n_head], value_states[:, :, :n_head], offset)
+        if n_head < t:
+            if offset + n_head != self.local_start + self.local_len:
+                raise ValueError(f"ltri-stream: chunk at {offset + n_head} does not follow the window's end "
+                                 f"{self.local_start + self.local_len}")
+            if self.local_len + t - n_head > self.local_cap:
+                raise ValueError(f"ltri-stream: a chunk of {t} tokens does not fit the window's "
+                                 f"{self.local_cap - self.local_len} free rows")
+            row = self.local0 + self.local_len
+            self._write(row, key_states[:, :, n_head:], value_states[:, :, n_head:], offset + n_head)
+            self.votes[row:row + t - n_head] = 0.0
+            self.local_len += t - n_head
+        self.peak_rows = max(self.peak_rows, self.valid_rows())
+        return self.keys, self.values
+
+    def _write(self, row: int, k: torch.Tensor, v: torch.Tensor, position: int) -> None:
+        n = k.shape[2]
+        self.keys[:, :, row:row + n] = k
+        self.values[:, :, row:row + n] = v
+        self.key_pos[row:row + n] = torch.arange(position, position + n, device=self.device)
+
+    @property
+    def width(self) -> int:
+        """Rows a prefill attention reads: init, retrieval slots and the window so far."""
+        return self.local0 + self.local_len
+
+    def valid_rows(self) -> int:
+        init = min(self.n_init, self.owner.filled)
+        return init + self.block * sum(s >= 0 for s in self.slots) + self.local_len
+
+    def first_full_block(self) -> int:
+        """Id of the oldest block of the window (block b holds positions n_init + b * block ...)."""
+        return (self.local_start - self.n_init) // self.block
+
+    def take_oldest(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Removes the window's oldest n rows; returns their keys, values [Hkv, n, D] and votes [n]."""
+        lo = self.local0
+        out = (self.keys[0, :, lo:lo + n].clone(), self.values[0, :, lo:lo + n].clone(), self.votes[lo:lo + n].clone())
+        keep = self.local_len - n
+        for buf in (self.keys, self.values):
+            buf[:, :, lo:lo + keep] = buf[:, :, lo + n:lo + n + keep].clone()
+        for buf in (self.key_pos, self.votes):
+            buf[lo:lo + keep] = buf[lo + n:lo + n + keep].clone()
+        self.key_pos[lo + keep:lo + self.local_len] = -1
+        self.local_len, self.local_start = keep, self.local_start + n
+        return out
+
+    def load_blocks(self, wanted: list[int]) -> int:
+        """Makes the retrieval slots hold exactly `wanted` (block ids); blocks already there stay. Returns
+        the bytes copied host -> device."""
+        keep = set(wanted)
+        free = [s for s, b in enumerate(self.slots) if b not in keep]
+        missing = [b for b in wanted if b not in self.slots]
+        copied = 0
+        for s, b in zip(free, missing):
+            rows = slice(self.n_init + s * self.block, self.n_init + (s + 1) * self.block)
+            self.keys[0, :, rows].copy_(self.memory.keys.data[b], non_blocking=True)
+            self.values[0, :, rows].copy_(self.memory.values.data[b], non_blocking=True)
+            start = self.n_init + b * self.block
+            self.key_pos[rows] = torch.arange(start, start + self.block, device=self.device)
+            self.slots[s] = b
+            copied += 2 * self.memory.keys.data[b].nbytes
+        for s in free[len(missing):]:
+            self.key_pos[self.n_init + s * self.block:self.n_init + (s + 1) * self.block] = -1
+            self.slots[s] = -1
+        return copied
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.rows, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.filled
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def nbytes(self) -> int:
+        """Device-side K/V (and their positions and votes): the bounded part."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.nbytes + self.values.nbytes + self.key_pos.nbytes + self.votes.nbytes
+
+
+class LtriCache(StaticKVCache):
+    """One LtriLayer per decoder layer; `votes` collects retrieval-head layers' block scores per chunk."""
+
+    def __init__(self, config, capacity: int, layers: list[LtriLayer]):
+        super().__init__(config, capacity, layers)
+        self.chunk_votes: list[tuple[float, torch.Tensor]] = []
+        self.stats = {"host_to_device_bytes": 0, "device_to_host_bytes": 0, "blocks_retrieved": 0,
+                      "retrievals": 0, "spans": 0, "blocks_indexed": 0, "query_spans": 0}
+
+    def begin_chunk(self, offset: int, n: int) -> None:
+        super().begin_chunk(offset, n)
+        self.chunk_votes = []

@@ -1,0 +1,257 @@
+"""`ltri-stream`: Ltri-LLM (../shared/papers/ltri-llm.txt), streaming with bounded device memory.
+
+The document streams through in chunks. Every full-attention layer keeps on the device only the first
+`n_init` tokens, the local window (>= `n_local` tokens), `top_k` retrieved blocks and the chunk in flight
+(engines/ltri/cache.py); older tokens leave in blocks of `block_size` for CPU context memory, each block
+indexed by the span index vectors of its semantic spans (engines/ltri/spans.py). Per chunk and layer:
+
+1. Retrieval (section 3.4): the chunk's own causal attention map is divided into spans, whose top-voted
+   queries are the query index vectors; every stored block scores the best dot product between them and its
+   index vectors (on the layer's retrieval head, or all heads averaged); with collaborative voting the
+   retrieval-head layers before this one add their normalised block scores, weighted by their head scores
+   (section 3.5). The top_k blocks are loaded into the retrieval slots (blocks already there stay).
+2. Attention over [init | retrieved | window | chunk], an explicit softmax: its probabilities give each
+   window key its votes (attention received, InfLLM's Eq. 6) and the chunk's own map, from which the spans
+   of every block completed in this chunk are found while it is still on the device.
+3. Eviction: whole blocks past the window go to CPU memory; per span the top-n voted tokens become index
+   vectors, n from the span's confidence (Eq. 7), lam per layer fixed or calibrated to a target compression.
+
+The question is the last prefill chunk (its retrieval is the persistent one); decode keeps that retrieval
+(the persistent mechanism, 3.5) and appends generated tokens to the window, one static-shape step over the
+layer's rows with a validity mask (CUDA-graph safe). Layers the model itself runs with a sliding window stay
+exact, holding only their window.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engines.base import DocumentState, Engine, EngineInputError, outside_engine_error
+from engines.cache import layer_types
+from engines.ltri.cache import LtriCache, LtriLayer
+from engines.ltri.heads import cached_heads
+from engines.ltri.index import Indexer
+from kernels.decode_attention import decode_attention, decode_backend
+
+_QUERY_SLICE = 256  # queries per slice of the explicit softmax
+
+
+@dataclass
+class LtriConfig:
+    """The paper's values (section 4, appendix B) where it gives them."""
+
+    n_init: int = 128  # attention-sink tokens kept on the device
+    n_local: int = 4096  # local window
+    block_size: int = 128  # memory unit: tokens per block moved to / from CPU memory
+    top_k: int = 16  # blocks retrieved per chunk (InfLLM's reserved blocks)
+    index: str = "dynamic"  # dynamic span index vectors (3.3.2) or static: InfLLM's top repr_topk per block
+    repr_topk: int = 4
+    threshold: float = 0.9  # attention-map threshold as a quantile of the block's map (Eq. 5)
+    iou: float = 0.1  # NMS IoU threshold
+    ratio_mode: str = "row"  # neighbours for the confidence: row, col or rowcol
+    lam: float = 3.0  # Eq. 7
+    lam_first_layers: float = 20.0  # lam of the model's first four layers
+    min_vectors: int = 1
+    max_vectors: int = 12
+    compression: float | None = None  # target tokens per index vector: calibrate lam per layer (3.3.2)
+    retrieval_heads: str = "auto"  # auto: identified once per model (Wu et al.) and cached; none: all heads
+    voting: bool = True  # collaborative voting across retrieval-head layers
+
+    def __post_init__(self):
+        for name in ("n_init", "n_local", "block_size", "top_k", "repr_topk", "min_vectors", "max_vectors"):
+            if getattr(self, name) < (0 if name == "n_init" else 1):
+                raise ValueError(f"bad value for {name}: {getattr(self, name)}; expected an integer >= "
+                                 f"{0 if name == 'n_init' else 1}")
+        checks = [
+            ("index", self.index in ("dynamic", "static"), "dynamic or static"),
+            ("ratio_mode", self.ratio_mode in ("row", "col", "rowcol"), "row, col or rowcol"),
+            ("retrieval_heads", self.retrieval_heads in ("auto", "none"), "auto or none"),
+            ("threshold", 0.0 < self.threshold < 1.0, "a quantile in (0, 1)"),
+            ("iou", 0.0 < self.iou < 1.0, "a number in (0, 1)"),
+            ("lam", self.lam > 0, "a number > 0"),
+            ("lam_first_layers", self.lam_first_layers > 0, "a number > 0"),
+            ("max_vectors", self.max_vectors >= self.min_vectors, f"an integer >= min_vectors ({self.min_vectors})"),
+            ("n_init", self.n_init % self.block_size == 0, f"a multiple of block_size ({self.block_size})"),
+            ("n_local", self.n_local % self.block_size == 0, f"a multiple of block_size ({self.block_size})"),
+            ("compression", self.compression is None or self.compression >= 1, "null or a number >= 1"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"bad value for {name}: {getattr(self, name)!r}; expected {expected}")
+
+    def device_rows(self, chunk: int, room: int) -> int:
+        """Rows of a full-attention layer on the device: init + retrieved + window + chunk + room."""
+        return self.n_init + self.top_k * self.block_size + self.n_local + self.block_size + chunk + room
+
+
+def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_own: int):
+    """Explicit softmax over the layer's rows; adds each row's votes; returns out [B, Hq, T, D] and the
+    chunk's own map [n_own, n_own] (its last n_own queries on its own window rows, summed over heads)."""
+    B, Hq, T, D = query.shape
+    hkv = key.shape[1]
+    width = layer.width
+    kp = layer.key_pos[:width]
+    k, v = key[:, :, :width].float(), value[:, :, :width].float()
+    own0 = width - n_own
+    out = torch.empty_like(query)
+    own = torch.zeros(n_own, n_own, dtype=torch.float32, device=query.device)
+    for lo in range(0, T, _QUERY_SLICE):
+        t = min(_QUERY_SLICE, T - lo)
+        q = query[:, :, lo:lo + t].float().view(B, hkv, Hq // hkv, t, D)
+        s = torch.matmul(q, k[:, :, None].transpose(-1, -2)) * scaling  # [B, Hkv, G, t, width]
+        q_pos = torch.arange(offset + lo, offset + lo + t, device=query.device)[:, None]
+        s = s.masked_fill(~((kp >= 0) & (kp <= q_pos)), float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        out[:, :, lo:lo + t] = torch.matmul(p, v[:, :, None]).view(B, Hq, t, D).to(query.dtype)
+        heads = p.sum(dim=(0, 1, 2))  # [t, width]
+        layer.votes[:width] += heads.sum(dim=0)
+        first = max(lo, T - n_own)
+        if first < lo + t:
+            own[first - (T - n_own):lo + t - (T - n_own)] = heads[first - lo:, own0:]
+    return out, own
+
+
+def _window_attention(layer: LtriLayer, query, key, value, scaling, offset):
+    """A sliding-window layer of the model: SDPA over its window rows, exact."""
+    width = layer.width
+    kp = layer.key_pos[:width]
+    q_pos = torch.arange(offset, offset + query.shape[2], device=query.device)[:, None]
+    mask = (kp >= 0) & (kp <= q_pos) & (q_pos - kp < layer.window)
+    return F.scaled_dot_product_attention(query, key[:, :, :width], value[:, :, :width], attn_mask=mask,
+                                          scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+
+
+def _decode(layer: LtriLayer, query, key, value, scaling, cache: LtriCache):
+    """One token over the layer's rows: valid ones (and, on sliding layers, inside the window)."""
+    mask = layer.key_pos >= 0
+    if layer.window is not None:
+        mask = mask & (cache.position_on(query.device) - layer.key_pos < layer.window)
+    mask = mask.view(1, 1, -1).expand(key.shape[0], key.shape[1], -1).contiguous()
+    if not hasattr(layer, "rows_t"):
+        layer.rows_t = torch.full((key.shape[0],), layer.rows, dtype=torch.long, device=query.device)
+    out = decode_attention(query[:, :, 0], key, value, layer.rows_t, scale=scaling, key_mask=mask)
+    return out.unsqueeze(1)
+
+
+class LtriEngine(Engine):
+    name = "ltri-stream"
+    Config = LtriConfig
+
+    def __init__(self, lm, config, run):
+        super().__init__(lm, config, run)
+        heads = {}
+        if config.retrieval_heads == "auto" and not lm.random_weights:
+            full = [i for i, t in enumerate(layer_types(self.model.config)) if t != "sliding_attention"]
+            home = Path(os.environ.get("LONGCTX_HOME", Path.home() / ".cache" / "longctx"))
+            heads = cached_heads(self.model, lm.tokenizer, lm.name, full, home)
+            self.activate()
+        self.indexer = Indexer(config, self.text_config, heads)
+
+    @staticmethod
+    def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
+                  **kwargs):
+        if longctx is None:
+            raise outside_engine_error()
+        layer = longctx.layers[module.layer_idx]
+        if longctx.decoding:
+            return _decode(layer, query, key, value, scaling, longctx), None
+        offset, t = longctx.offset, query.shape[2]
+        if not layer.retrieve:
+            out = _window_attention(layer, query, key, value, scaling, offset)
+            excess = layer.local_len - layer.window
+            if excess > 0:
+                layer.take_oldest(excess)
+            return out.transpose(1, 2), None
+        indexer = longctx.indexer
+        indexer.retrieve(layer, module.layer_idx, query, key, scaling, longctx)
+        n_own = min(t, layer.local_len)
+        out, own = _softmax_attention(layer, query, key, value, scaling, offset, n_own)
+        indexer.note_spans(layer, own, offset + t - n_own, longctx)
+        indexer.evict(layer, module.layer_idx, longctx)
+        return out.transpose(1, 2), None
+
+    def make_cache(self, capacity: int) -> LtriCache:
+        cfg, chunk = self.config, self.run.chunk_size
+        room = chunk + self._reserve
+        window = getattr(self.text_config, "sliding_window", None)
+        layers = []
+        cache = LtriCache.__new__(LtriCache)
+        for kind in layer_types(self.model.config):
+            if kind == "sliding_attention":
+                layers.append(LtriLayer(cache, n_init=0, n_retrieved=0, n_local=window, block=cfg.block_size,
+                                        room=room, window=window, retrieve=False))
+            else:
+                layers.append(LtriLayer(cache, n_init=cfg.n_init, n_retrieved=cfg.top_k * cfg.block_size,
+                                        n_local=cfg.n_local, block=cfg.block_size, room=room, window=None,
+                                        retrieve=True))
+        LtriCache.__init__(cache, self.model.config, capacity, layers)
+        cache.indexer = self.indexer
+        return cache
+
+    def prefill(self, ids, *, reserve, progress=None) -> DocumentState:
+        if self.run.chunk_size % self.config.block_size:
+            raise EngineInputError(f"chunk_size {self.run.chunk_size} is not a multiple of block_size "
+                                   f"{self.config.block_size}")
+        self._reserve = reserve
+        self.indexer.reset()
+        return super().prefill(ids, reserve=reserve, progress=progress)
+
+    def _encode_question(self, state, question_ids, n_new):
+        logits = super()._encode_question(state, question_ids, n_new)
+        for layer in state.cache.layers:
+            if layer.local_len + n_new > layer.local_cap:
+                raise ValueError(f"ltri-stream window has no room for {n_new} new tokens")
+            # Decode: the token at position p goes to row p - shift, right after the window.
+            layer.shift.fill_(state.position - (layer.local0 + layer.local_len))
+        return logits
+
+    @classmethod
+    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
+        """Device bytes: every layer's bounded rows (K and V), independent of the document's length, plus
+        index vectors at max_vectors per 32 tokens (an upper estimate)."""
+        cfg = engine_config or LtriConfig()
+        per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
+        text = model_config.get_text_config(decoder=True)
+        window = getattr(text, "sliding_window", None) or 0
+        rows = sum(window + cfg.block_size + 4096 if t == "sliding_attention" else cfg.device_rows(2048, 2048)
+                   for t in layer_types(model_config))
+        full = sum(t != "sliding_attention" for t in layer_types(model_config))
+        index = full * (n_tokens * cfg.max_vectors // 32) * per_token_layer // 2
+        return rows * per_token_layer + index
+
+    @classmethod
+    def plan_notes(cls, model_config, n_tokens: int, engine_config=None) -> list[str]:
+        cfg = engine_config or LtriConfig()
+        full = sum(t != "sliding_attention" for t in layer_types(model_config))
+        per_token_layer = Engine.memory_plan(model_config, 1, 2) // len(layer_types(model_config))
+        return [f"ltri-stream device window per full layer: {cfg.n_init} init + {cfg.top_k} x {cfg.block_size} "
+                f"retrieved + {cfg.n_local} local tokens + the chunk ({full} full layers)",
+                f"ltri-stream CPU context memory: up to {full * n_tokens * per_token_layer / 2**30:.2f} GiB "
+                f"(bf16) for {n_tokens:,} tokens"]
+
+    def kv_read_bytes(self, model_config, n_tokens: int, dtype_bytes: int) -> int:
+        """A decode step reads every layer's rows (masked ones included)."""
+        per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
+        return per_token_layer * sum(layer_rows for layer_rows in self._rows_per_layer())
+
+    def _rows_per_layer(self) -> list[int]:
+        cfg, chunk = self.config, self.run.chunk_size
+        window = getattr(self.text_config, "sliding_window", None) or 0
+        room = chunk + self.run.max_new_tokens
+        return [window + cfg.block_size + room if t == "sliding_attention" else cfg.device_rows(chunk, room)
+                for t in layer_types(self.model.config)]
+
+    def backends(self) -> dict[str, str]:
+        return {"prefill_attention": "explicit softmax over init + retrieved + window (votes, span maps); "
+                                     "sliding layers: sdpa over their window",
+                "decode_attention": f"{decode_backend(self.device)} over the bounded rows (validity mask)"}
+
+    def counters(self, state: DocumentState) -> dict:
+        out = super().counters(state)
+        out.update(self.indexer.counters(state.cache))
+        return out

@@ -1,0 +1,93 @@
+"""Retrieval heads (Wu et al. 2024, as Ltri-LLM section 3.5 uses them), identified once per model and cached.
+
+A head's retrieval score is how often, while the model copies a needle from a long context, the key it
+attends to most is the very needle token being copied. Here the copy is teacher-forced: a haystack of seeded
+random sentences with a needle ("The secret code is <word>-<digits>."), the question, then the needle's value
+as the answer; at each answer token, a head scores when its top key (eager attention) holds that same token
+inside the needle. Per layer the best head counts if its score is above 0.1 (the paper's cut-off).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import torch
+
+_WORDS = ("river stone market window garden letter morning silver harbor winter paper orange basket candle "
+          "forest bridge engine signal copper valley meadow lantern ribbon pepper marble castle anchor velvet "
+          "thunder pillow summit violet saddle cotton falcon meadow planet rocket canyon whistle feather").split()
+CUTOFF = 0.1
+
+
+def _sample(rng: random.Random, n_sentences: int) -> tuple[str, str, str]:
+    """(context, question, value): a haystack with one needle at a random depth."""
+    value = f"{rng.choice(_WORDS)}-{rng.randint(1000, 9999)}"
+    sentences = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(6, 12))).capitalize() + "."
+                 for _ in range(n_sentences)]
+    sentences.insert(rng.randint(1, n_sentences - 1), f"The secret code is {value}.")
+    return " ".join(sentences), "\n\nQuestion: What is the secret code?\nAnswer: The secret code is", value
+
+
+def _tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.inference_mode()
+def score_heads(model, tokenizer, layers: list[int], samples: int = 4, n_sentences: int = 80,
+                seed: int = 0) -> dict[int, list[float]]:
+    """{layer: [score per query head]} for the given decoder layers (eager attention, one sample at a time)."""
+    rng = random.Random(seed)
+    device = model.get_input_embeddings().weight.device
+    previous = model.config._attn_implementation
+    hits: dict[int, torch.Tensor] = {}
+    total = 0
+    model.set_attn_implementation("eager")
+    try:
+        for _ in range(samples):
+            context, question, value = _sample(rng, n_sentences)
+            bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+            head = bos + _tokens(tokenizer, context.split("The secret code is")[0])
+            needle = _tokens(tokenizer, f"The secret code is {value}.")
+            rest = _tokens(tokenizer, " " + context.split(f"{value}.", 1)[1] + question)
+            answer = _tokens(tokenizer, " " + value)
+            ids = torch.tensor([head + needle + rest + answer], device=device)
+            out = model(input_ids=ids, output_attentions=True, use_cache=False, logits_to_keep=1)
+            lo, hi = len(head), len(head) + len(needle)
+            first = ids.shape[1] - len(answer)
+            for layer in layers:
+                att = out.attentions[layer][0]  # [H, T, T]
+                top = att[:, first - 1:ids.shape[1] - 1].argmax(dim=-1)  # [H, answer]: key each head reads most
+                target = ids[0, first:]
+                copied = (top >= lo) & (top < hi) & (ids[0][top] == target[None])
+                hits[layer] = hits.get(layer, 0) + copied.float().sum(dim=1).cpu()
+            total += len(answer)
+    finally:
+        model.set_attn_implementation(previous)
+    return {layer: (h / total).tolist() for layer, h in hits.items()}
+
+
+def best_heads(scores: dict[int, list[float]]) -> dict[int, tuple[int, float]]:
+    """{layer: (head, score)} for layers whose best head passes the cut-off."""
+    out = {}
+    for layer, per_head in scores.items():
+        head = max(range(len(per_head)), key=per_head.__getitem__)
+        if per_head[head] > CUTOFF:
+            out[layer] = (head, per_head[head])
+    return out
+
+
+def cached_heads(model, tokenizer, model_name: str, layers: list[int], home: Path) -> dict[int, tuple[int, float]]:
+    """best_heads, computed on first use for this model and kept in home/retrieval_heads/."""
+    key = hashlib.sha256(f"{model_name}|{model.config.to_json_string()}".encode()).hexdigest()[:16]
+    path = home / "retrieval_heads" / f"{key}.json"
+    if path.exists():
+        scores = {int(k): v for k, v in json.loads(path.read_text())["scores"].items()}
+    else:
+        scores = score_heads(model, tokenizer, layers)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"model": model_name, "method": "Wu et al. 2024, teacher-forced copy",
+                                    "scores": scores}, indent=1))
+    return best_heads({layer: s for layer, s in scores.items() if layer in layers})

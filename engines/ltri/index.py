@@ -1,0 +1,183 @@
+"""The index side of `ltri-stream`: span index vectors in, block retrieval out (sections 3.3-3.5).
+
+One Indexer per engine; its per-document state (lam calibration samples, counters) is reset by prefill.
+Host work (span division, NMS) runs on small CPU tensors: one copy of the chunk's map per layer and chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engines.ltri import spans as sp
+from engines.ltri.cache import LtriCache, LtriLayer
+
+_FIRST_LAYERS = 4  # "the lam value for the first four layers is assigned as 20"
+_CALIBRATION_SPANS = 4096  # most recent spans per layer kept for the lam lookup
+
+
+class Indexer:
+    def __init__(self, config, text_config, heads: dict[int, tuple[int, float]] | None = None):
+        """heads: {layer: (query head, retrieval score)}, from engines/ltri/heads.py (None: all heads)."""
+        self.cfg = config
+        self.n_heads = text_config.num_attention_heads
+        self.heads = heads or {}
+        self.reset()
+
+    def reset(self) -> None:
+        self.samples: dict[int, list[tuple[int, float]]] = {}
+        self.lams: dict[int, float] = {}
+
+    def lam(self, layer_idx: int) -> float:
+        if layer_idx < _FIRST_LAYERS:
+            return self.cfg.lam_first_layers
+        return self.lams.get(layer_idx, self.cfg.lam)
+
+    def _count(self, layer_idx: int, span: sp.Span) -> int:
+        return sp.vector_count(span.length, span.confidence, self.lam(layer_idx), self.cfg.min_vectors,
+                               self.cfg.max_vectors)
+
+    def _record(self, layer_idx: int, found: list[sp.Span]) -> None:
+        """Keeps spans for the per-layer lam lookup (section 3.3.2) when a target compression is set."""
+        if self.cfg.compression is None or layer_idx < _FIRST_LAYERS:
+            return
+        seen = self.samples.setdefault(layer_idx, [])
+        seen.extend((s.length, s.confidence) for s in found)
+        del seen[:-_CALIBRATION_SPANS]
+        lengths = torch.tensor([n for n, _ in seen], dtype=torch.float64)
+        conf = torch.tensor([c for _, c in seen], dtype=torch.float64)
+        self.lams[layer_idx] = sp.calibrate_lambda(lengths, conf, self.cfg.compression, self.cfg.min_vectors,
+                                                   self.cfg.max_vectors)
+
+    def head_weights(self, layer_idx: int, device: torch.device) -> torch.Tensor:
+        """[Hq] weights of the query heads in retrieval: the layer's retrieval head, else all alike."""
+        w = torch.full((self.n_heads,), 1.0 / self.n_heads, device=device)
+        if layer_idx in self.heads:
+            w.zero_()[self.heads[layer_idx][0]] = 1.0
+        return w
+
+    def note_spans(self, layer: LtriLayer, own: torch.Tensor, start: int, cache: LtriCache) -> None:
+        """Span division of every block completed inside the chunk. own: [n, n] the chunk's map over its
+        window tokens at positions start..start+n-1."""
+        if self.cfg.index != "dynamic":
+            return
+        cpu = own.float().cpu()
+        b = layer.block
+        first = -(-(start - layer.n_init) // b)  # first block starting at or after `start`
+        layer_idx = cache.layers.index(layer)
+        while layer.n_init + (first + 1) * b <= start + own.shape[0]:
+            lo = layer.n_init + first * b - start
+            found = sp.divide(cpu[lo:lo + b, lo:lo + b], self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode)
+            layer.pending[first] = found
+            self._record(layer_idx, found)
+            cache.stats["spans"] += len(found)
+            first += 1
+
+    def _pick(self, layer: LtriLayer, layer_idx: int, block_id: int, votes: torch.Tensor) -> list[int]:
+        """Rows (within the block) whose keys become the block's index vectors."""
+        if self.cfg.index == "static":
+            return votes.topk(min(self.cfg.repr_topk, votes.numel())).indices.tolist()
+        found = layer.pending.pop(block_id, None) or [sp.Span(0, votes.numel() - 1, 0.0, 1.0)]
+        rows: set[int] = set()
+        for span in found:
+            n = self._count(layer_idx, span)
+            rows.update((span.start + votes[span.start:span.end + 1].topk(n).indices).tolist())
+        return sorted(rows)
+
+    def evict(self, layer: LtriLayer, layer_idx: int, cache: LtriCache) -> None:
+        """Whole blocks past the window go to CPU memory, indexed by their span index vectors."""
+        n = (layer.local_len - layer.n_local) // layer.block
+        if n <= 0:
+            return
+        first = layer.first_full_block()
+        keys, values, votes = layer.take_oldest(n * layer.block)
+        layer.memory.add(keys, values)
+        cache.stats["device_to_host_bytes"] += keys.nbytes + values.nbytes
+        votes = votes.cpu()
+        rows, blocks = [], []
+        for i in range(n):
+            picked = self._pick(layer, layer_idx, first + i, votes[i * layer.block:(i + 1) * layer.block])
+            rows.extend(i * layer.block + r for r in picked)
+            blocks.extend([first + i] * len(picked))
+        index = torch.tensor(rows, dtype=torch.long, device=keys.device)
+        layer.index.add(keys[:, index].transpose(0, 1), torch.tensor(blocks, dtype=torch.long, device=keys.device))
+        cache.stats["blocks_indexed"] += n
+
+    def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling) -> tuple[torch.Tensor, int]:
+        """The chunk's query index vectors [A, Hq, D]: its own causal map divided into spans, the top-voted
+        queries of each span (as many as Eq. 7 gives)."""
+        _, Hq, T, D = query.shape
+        hkv = key.shape[1]
+        end = layer.width
+        q = query[0].float().view(hkv, Hq // hkv, T, D)
+        k = key[0, :, end - T:end].float()
+        s = torch.matmul(q, k[:, None].transpose(-1, -2)) * scaling  # [Hkv, G, T, T]
+        causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
+        amap = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).sum(dim=(0, 1)).cpu()
+        votes = amap.sum(dim=0)
+        rows: set[int] = set()
+        found = sp.divide(amap, self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode)
+        for span in found:
+            n = self._count(layer_idx, span)
+            rows.update((span.start + votes[span.start:span.end + 1].topk(n).indices).tolist())
+        picked = torch.tensor(sorted(rows), dtype=torch.long, device=query.device)
+        return query[0][:, picked].transpose(0, 1), len(found)
+
+    def retrieve(self, layer: LtriLayer, layer_idx: int, query, key, scaling, cache: LtriCache) -> None:
+        """Fills the retrieval slots with the top_k blocks for this chunk (all blocks when they fit)."""
+        n_blocks = layer.memory.n_blocks
+        if n_blocks == 0:
+            return
+        k = min(self.cfg.top_k, n_blocks)
+        if n_blocks <= self.cfg.top_k:
+            wanted = list(range(n_blocks))
+        else:
+            qvec, n_spans = self._query_vectors(layer, layer_idx, query, key, scaling)
+            cache.stats["query_spans"] += n_spans
+            hkv = key.shape[1]
+            w = self.head_weights(layer_idx, query.device)
+            qw = (qvec.float() * w[None, :, None]).view(qvec.shape[0], hkv, -1, qvec.shape[-1]).sum(dim=2)
+            scores = self._vote(layer_idx, layer.index.block_scores(qw, n_blocks), cache)
+            wanted = sorted(scores.topk(k).indices.tolist())
+        cache.stats["host_to_device_bytes"] += layer.load_blocks(wanted)
+        cache.stats["blocks_retrieved"] += k
+        cache.stats["retrievals"] += 1
+
+    def _vote(self, layer_idx: int, scores: torch.Tensor, cache: LtriCache) -> torch.Tensor:
+        """Collaborative voting (3.5): this layer's normalised scores plus those of earlier retrieval-head
+        layers in this chunk, each weighted by its retrieval score (layers without one weigh 0.1, the
+        paper's retrieval-head cut-off)."""
+        if not self.cfg.voting or not self.heads:
+            return scores
+        finite = torch.isfinite(scores)
+        lo, hi = scores[finite].min(), scores[finite].max()
+        own = torch.where(finite, (scores - lo) / (hi - lo).clamp(min=1e-6), 0.0)
+        weight = self.heads[layer_idx][1] if layer_idx in self.heads else 0.1
+        total = weight * own + sum(w * s for w, s in cache.chunk_votes)
+        if layer_idx in self.heads:
+            cache.chunk_votes.append((weight, own))
+        return total
+
+    def counters(self, cache: LtriCache) -> dict:
+        full = [layer for layer in cache.layers if layer.retrieve and layer.is_initialized]
+        stats = cache.stats
+        if not full:
+            return {}
+        vectors = sum(layer.index.n for layer in full)
+        blocks = stats["blocks_indexed"]
+        return {
+            "ltri_device_rows_per_layer": full[0].rows,
+            "ltri_peak_valid_rows": max(layer.peak_rows for layer in full),
+            "ltri_cpu_blocks": full[0].memory.n_blocks,
+            "ltri_cpu_memory_bytes": sum(layer.memory.nbytes() for layer in full),
+            "ltri_index_vectors": vectors,
+            "ltri_index_bytes": sum(layer.index.nbytes() for layer in full),
+            "ltri_tokens_per_index_vector": round(blocks * full[0].block / vectors, 1) if vectors else None,
+            "ltri_spans_per_block": round(stats["spans"] / blocks, 2) if blocks and stats["spans"] else None,
+            "ltri_blocks_retrieved_per_chunk": round(stats["blocks_retrieved"] / stats["retrievals"], 1)
+            if stats["retrievals"] else 0,
+            "ltri_host_to_device_bytes": stats["host_to_device_bytes"],
+            "ltri_device_to_host_bytes": stats["device_to_host_bytes"],
+            "ltri_retrieval_heads": ", ".join(f"L{l}:h{h} ({s:.2f})" for l, (h, s) in sorted(self.heads.items()))
+            or "none (all heads averaged)",
+            "ltri_lambda": ", ".join(f"L{l}:{v:.1f}" for l, v in sorted(self.lams.items())) or None,
+        }
