@@ -164,7 +164,7 @@ class Indexer:
             return {}
         vectors = sum(layer.index.n for layer in full)
         blocks = stats["blocks_indexed"]
-        return {
+        out = {
             "ltri_device_rows_per_layer": full[0].rows,
             "ltri_peak_valid_rows": max(layer.peak_rows for layer in full),
             "ltri_cpu_blocks": full[0].memory.n_blocks,
@@ -181,3 +181,4 @@ class Indexer:
             or "none (all heads averaged)",
             "ltri_lambda": ", ".join(f"L{l}:{v:.1f}" for l, v in sorted(self.lams.items())) or None,
         }
+        return {k: v for k, v in out.items() if v is not None}

@@ -99,10 +99,15 @@ def best_per_antidiagonal(ta: torch.Tensor) -> torch.Tensor:
 
 
 def divide(a: torch.Tensor, threshold: float, iou: float, ratio_mode: str = "row") -> list[Span]:
-    """Spans of a causal attention map a [n, n] (summed over heads), best first; never empty."""
+    """Spans of a causal attention map a [n, n] (summed over heads), best first; never empty. threshold: the
+    quantile of the map's causal cells subtracted before scoring."""
+    return divide_at(a, quantile_threshold(a.double(), threshold), iou, ratio_mode)
+
+
+def divide_at(a: torch.Tensor, theta: float, iou: float, ratio_mode: str = "row") -> list[Span]:
+    """`divide` with the threshold theta given as a value, not a quantile."""
     a = a.double()
     n = a.shape[0]
-    theta = quantile_threshold(a, threshold)
     cands = best_per_antidiagonal(triangle_scores(a, theta))
     raw = prefix_sums(a)
     if cands.shape[0] == 0:

@@ -1,0 +1,196 @@
+"""ltri-stream: span division (triangle scores, NMS, confidence), and the engine on the embedded model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engines.ltri import spans as sp
+from tests.conftest import gpu, greedy_answer, make_engine, run_cli, story_ids
+
+
+def _causal_map(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(n, n, generator=g) ** 3).tril()
+
+
+@pytest.mark.parametrize("n", [1, 7, 33, 64])
+def test_triangle_scores_equal_brute_force(n):
+    a = _causal_map(n, n)
+    theta = float(a[a > 0].median()) if n > 1 else 0.1
+    ta = sp.triangle_scores(a, theta)
+    for j in range(n):
+        for i in range(n):
+            if i > j:
+                assert ta[j, i] == float("-inf")
+                continue
+            want = sum(float(a[r, c]) - theta for r in range(i, j + 1) for c in range(i, r + 1))
+            assert ta[j, i].item() == pytest.approx(want, abs=1e-9)
+
+
+def _nms_brute(intervals, scores, thr):
+    order = sorted(range(len(scores)), key=lambda k: -scores[k])
+    kept = []
+    for k in order:
+        s0, e0 = intervals[k]
+        ok = True
+        for m in kept:
+            s1, e1 = intervals[m]
+            inter = max(0, min(e0, e1) - max(s0, s1) + 1)
+            if inter / ((e0 - s0 + 1) + (e1 - s1 + 1) - inter) > thr:
+                ok = False
+                break
+        if ok:
+            kept.append(k)
+    return kept
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("thr", [0.01, 0.1, 0.5])
+def test_nms_equals_brute_force(seed, thr):
+    rng = random.Random(seed)
+    intervals = []
+    for _ in range(rng.randint(1, 40)):
+        s = rng.randint(0, 100)
+        intervals.append((s, s + rng.randint(0, 30)))
+    scores = [rng.random() for _ in intervals]
+    got = sp.nms(torch.tensor(intervals), torch.tensor(scores, dtype=torch.float64), thr).tolist()
+    assert got == _nms_brute(intervals, scores, thr)
+
+
+def test_known_triangles_are_found():
+    """Three triangles of mutual attention (1 inside, 0 outside) at threshold 0.5 come back exactly."""
+    bounds = [(0, 19), (20, 43), (44, 63)]
+    a = torch.zeros(64, 64)
+    for s, e in bounds:
+        a[s:e + 1, s:e + 1] = 1.0
+    found = sp.divide_at(a.tril(), 0.5, 0.01, "row")
+    assert sorted((x.start, x.end) for x in found) == bounds
+    # A looser IoU lets slivers inside a triangle through (IoU 2/20 is not above 0.1), after the triangles.
+    loose = sp.divide_at(a.tril(), 0.5, 0.1, "row")
+    assert sorted((x.start, x.end) for x in loose[:3]) == bounds and len(loose) == 5
+    # Spans that share nothing with their row neighbours are fully confident; the best span comes first.
+    assert all(x.confidence == pytest.approx(1.0) for x in found)
+    assert (found[0].start, found[0].end) == (20, 43)
+
+
+def test_confidence_and_vector_count():
+    a = torch.ones(8, 8).tril()  # uniform: span [4, 7] shares its queries with keys 0..3
+    span = sp.divide_at(a, 2.0, 0.1, "row")[0]  # threshold above every cell: the whole map as one span
+    assert (span.start, span.end, span.confidence) == (0, 7, 1.0)
+    p = sp.prefix_sums(a.double())
+    row = sp._confidence(p, 4, 7, 8, "row")
+    assert row == pytest.approx(10 / (10 + 16))  # triangle 10 cells, rows 4..7 x keys 0..3 = 16 cells
+    assert sp._confidence(p, 4, 7, 8, "col") == 1.0  # no later queries
+    assert sp.vector_count(40, 1.0, 3.0, 1, 12) == 12
+    assert sp.vector_count(40, 0.5, 3.0, 1, 12) == 5
+    assert sp.vector_count(40, 0.01, 3.0, 2, 12) == 2
+    assert sp.vector_count(3, 1.0, 3.0, 1, 12) == 3
+
+
+def test_lambda_calibration_picks_the_smallest_that_compresses_enough():
+    lengths = torch.tensor([32.0, 16.0, 64.0, 8.0] * 10)
+    conf = torch.tensor([0.9, 0.5, 0.7, 0.95] * 10)
+    grid = torch.linspace(0.5, 40.0, 80, dtype=torch.float64)
+    lam = sp.calibrate_lambda(lengths, conf, 8.0, 1, 12, grid)
+
+    def ratio(value):
+        n = [max(1, min(int(l), 12, max(1, round(l * c ** value)))) for l, c in zip(lengths.tolist(), conf.tolist())]
+        return lengths.sum().item() / sum(n)
+
+    assert ratio(lam) >= 8.0
+    smaller = grid[grid < lam]
+    assert smaller.numel() == 0 or ratio(float(smaller[-1])) < 8.0
+
+
+def test_window_covering_the_document_equals_dense(lm, story_text):
+    doc, question = story_ids(lm, story_text, 900)
+    dense, _ = greedy_answer(make_engine(lm, "dense", chunk_size=256), doc, question, 10)
+    engine = make_engine(lm, "ltri-stream", chunk_size=256, n_local=2048)
+    got, state = greedy_answer(engine, doc, question, 10)
+    assert got == dense
+    assert engine.counters(state)["ltri_cpu_blocks"] == 0
+
+
+SMALL = dict(n_init=64, block_size=64, top_k=4, n_local=256, chunk_size=128)  # device budget 704 tokens
+
+
+def test_needle_in_a_document_four_times_the_budget(lm):
+    """2.8K tokens through 704 device rows per layer: the needle is answered from retrieved blocks, the
+    device never holds more than the budget, and every evicted token is in CPU memory."""
+    from longctx_cli.tasks import generate, prompt_tail
+
+    tok = lm.tokenizer
+    sample = generate("niah_single_2", 2920, 1, tok, seed=1, depths=[0.6], budget=32)[0]
+    doc = torch.tensor([tok.bos_token_id] + tok(sample.document, add_special_tokens=False)["input_ids"])
+    question = torch.tensor(tok(prompt_tail(sample.question, sample.answer_prefix), add_special_tokens=False)["input_ids"])
+    budget = SMALL["n_init"] + SMALL["top_k"] * SMALL["block_size"] + SMALL["n_local"] + SMALL["chunk_size"]
+    assert doc.numel() >= 4 * budget
+    engine = make_engine(lm, "ltri-stream", **SMALL)
+    answer, state = greedy_answer(engine, doc, question, 12)
+    assert sample.expected[0] in tok.decode(answer)
+    counters = engine.counters(state)
+    assert counters["ltri_peak_valid_rows"] <= budget
+    assert counters["ltri_blocks_retrieved_per_chunk"] > 0 and counters["ltri_index_vectors"] > 0
+    for layer in state.cache.layers:
+        if layer.retrieve:
+            assert SMALL["n_init"] + layer.memory.n_blocks * SMALL["block_size"] + layer.local_len == \
+                doc.numel() + question.numel()
+            assert layer.keys.shape[2] == layer.rows  # the device buffers never grew
+        else:
+            assert layer.local_len <= layer.window
+
+
+def test_retrieval_heads_found_on_the_embedded_model(lm):
+    from engines.ltri.heads import best_heads, score_heads
+
+    scores = score_heads(lm.model, lm.tokenizer, [5, 11, 17], samples=2, n_sentences=60)
+    heads = best_heads(scores)
+    assert heads and all(0.1 < s <= 1.0 for _, s in heads.values())
+    assert lm.model.config._attn_implementation != "eager"  # switched back
+
+
+def test_static_index_mode_runs(lm):
+    doc, question = story_ids(lm, "The lamp burned all night. " * 40, 1200)
+    engine = make_engine(lm, "ltri-stream", index="static", repr_topk=2, retrieval_heads="none", **SMALL)
+    _, state = greedy_answer(engine, doc, question, 2)
+    counters = engine.counters(state)
+    assert counters["ltri_index_vectors"] == 2 * counters["ltri_cpu_blocks"] * 3  # 3 full layers
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("n_local=100", "bad value for n_local: 100; expected a multiple of block_size (128)"),
+    ("ratio_mode=diagonal", "bad value for ratio_mode: 'diagonal'"),
+    ("threshold=1.5", "bad value for threshold: 1.5"),
+])
+def test_bad_settings_are_one_line(setting, message, capsys, monkeypatch, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A short document.")
+    code, out, err = run_cli(["ask", str(doc), "Why?", "--profile", "ltri-stream", "--set", setting],
+                             capsys, monkeypatch)
+    assert code == 4 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_chunk_size_must_be_whole_blocks(capsys, monkeypatch, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A short document. " * 20)
+    code, _, err = run_cli(["ask", str(doc), "Why?", "--profile", "ltri-stream", "--chunk-size", "100"],
+                           capsys, monkeypatch)
+    assert code == 4 and "chunk_size 100 is not a multiple of block_size 128" in err
+
+
+@gpu
+def test_gpu_graph_decode_equals_cpu_reference():
+    from longctx_cli.models import load_model
+
+    gpu_lm = load_model(None, device="cuda", dtype="float32")
+    cpu_lm = load_model(None, device="cpu", dtype="float32")
+    doc, question = story_ids(cpu_lm, "The keeper counted the ships in the bay. " * 30, 1500)
+    want, _ = greedy_answer(make_engine(cpu_lm, "ltri-stream", **SMALL), doc, question, 12)
+    engine = make_engine(gpu_lm, "ltri-stream", **SMALL)
+    got, state = greedy_answer(engine, doc, question, 12)
+    assert engine.counters(state)["decode_cuda_graph"] is True
+    assert got == want
