@@ -71,6 +71,23 @@ class StaticKVLayer(CacheLayerMixin):
         return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
 
 
+class OwnedRowsLayer(CacheLayerMixin):
+    """Base of an engine's own cache layer with `rows` buffer rows, owned by a StaticKVCache (the sizes
+    transformers asks for; the engine's attention builds its own masks)."""
+
+    is_compileable = False
+    rows: int
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.rows, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.filled
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+
 class StaticKVCache(Cache):
     """One StaticKVLayer per decoder layer; sliding-window layers keep their window for the attention."""
 

@@ -29,14 +29,6 @@ RANDOM_PRESETS: dict[str, dict] = {
         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                              high_freq_factor=4.0, original_max_position_embeddings=8192),
     ),
-    # The 8B shape with RoPE scaled to 1M positions (llama3 rule, factor 128): streaming engines at 1M tokens.
-    "llama-3.1-8b-1m": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-        max_position_embeddings=1048576, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=128.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=8192),
-    ),
     "qwen3-1.7b": dict(
         model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
@@ -50,6 +42,11 @@ RANDOM_PRESETS: dict[str, dict] = {
         layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3,
     ),
 }
+
+# The 8B shape with RoPE scaled to 1M positions (llama3 rule, factor 128): streaming engines at 1M tokens.
+RANDOM_PRESETS["llama-3.1-8b-1m"] = dict(
+    RANDOM_PRESETS["llama-3.1-8b"], max_position_embeddings=1048576,
+    rope_parameters=dict(RANDOM_PRESETS["llama-3.1-8b"]["rope_parameters"], factor=128.0))
 
 
 @dataclass

@@ -17,14 +17,11 @@ Nothing here grows with the document except the CPU context memory and the index
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
-
-from engines.cache import StaticKVCache
+from engines.cache import OwnedRowsLayer, StaticKVCache
 from engines.ltri.memory import ContextMemory, IndexMemory
 
 
-class LtriLayer(CacheLayerMixin):
-    is_compileable = False
+class LtriLayer(OwnedRowsLayer):
 
     def __init__(self, owner: "LtriCache", *, n_init: int, n_retrieved: int, n_local: int, block: int,
                  room: int, window: int | None, retrieve: bool):
@@ -140,15 +137,6 @@ class LtriLayer(CacheLayerMixin):
             self.key_pos[self.n_init + s * self.block:self.n_init + (s + 1) * self.block] = -1
             self.slots[s] = -1
         return copied
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.rows, 0
-
-    def get_seq_length(self) -> int:
-        return self.owner.filled
-
-    def get_max_length(self) -> int:
-        return self.owner.capacity
 
     def nbytes(self) -> int:
         """Device-side K/V (and their positions and votes): the bounded part."""

@@ -19,14 +19,11 @@ heads of the KV head.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
-
-from engines.cache import StaticKVCache, layer_types
+from engines.cache import OwnedRowsLayer, StaticKVCache, layer_types
 from engines.sas.analyzer import CachePlan
 
 
-class SasLayer(CacheLayerMixin):
-    is_compileable = False
+class SasLayer(OwnedRowsLayer):
 
     def __init__(self, owner: "SasCache", plan: CachePlan, staging: int, sliding: bool):
         super().__init__()
@@ -115,15 +112,6 @@ class SasLayer(CacheLayerMixin):
         if offset is None:
             return torch.where(slot >= 0, slot, self.staging)
         return torch.where(safe >= offset, self.staging + safe - offset, slot)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.rows, 0
-
-    def get_seq_length(self) -> int:
-        return self.owner.filled
-
-    def get_max_length(self) -> int:
-        return self.owner.capacity
 
     def nbytes(self) -> int:
         if not self.is_initialized:
