@@ -32,9 +32,8 @@ class Indexer:
             return self.cfg.lam_first_layers
         return self.lams.get(layer_idx, self.cfg.lam)
 
-    def _count(self, layer_idx: int, span: sp.Span) -> int:
-        return sp.vector_count(span.length, span.confidence, self.lam(layer_idx), self.cfg.min_vectors,
-                               self.cfg.max_vectors)
+    def _allocate(self, layer_idx: int, found: list[sp.Span], votes: torch.Tensor) -> list[int]:
+        return sp.allocate(found, votes, self.lam(layer_idx), self.cfg.min_vectors, self.cfg.max_vectors)
 
     def _record(self, layer_idx: int, found: list[sp.Span]) -> None:
         """Keeps spans for the per-layer lam lookup (section 3.3.2) when a target compression is set."""
@@ -45,8 +44,7 @@ class Indexer:
         del seen[:-_CALIBRATION_SPANS]
         lengths = torch.tensor([n for n, _ in seen], dtype=torch.float64)
         conf = torch.tensor([c for _, c in seen], dtype=torch.float64)
-        self.lams[layer_idx] = sp.calibrate_lambda(lengths, conf, self.cfg.compression, self.cfg.min_vectors,
-                                                   self.cfg.max_vectors)
+        self.lams[layer_idx] = sp.calibrate_lambda(lengths, conf, self.cfg.compression)
 
     def head_weights(self, layer_idx: int, device: torch.device) -> torch.Tensor:
         """[Hq] weights of the query heads in retrieval: the layer's retrieval head, else all alike."""
@@ -77,11 +75,7 @@ class Indexer:
         if self.cfg.index == "static":
             return votes.topk(min(self.cfg.repr_topk, votes.numel())).indices.tolist()
         found = layer.pending.pop(block_id, None) or [sp.Span(0, votes.numel() - 1, 0.0, 1.0)]
-        rows: set[int] = set()
-        for span in found:
-            n = self._count(layer_idx, span)
-            rows.update((span.start + votes[span.start:span.end + 1].topk(n).indices).tolist())
-        return sorted(rows)
+        return self._allocate(layer_idx, found, votes)
 
     def evict(self, layer: LtriLayer, layer_idx: int, cache: LtriCache) -> None:
         """Whole blocks past the window go to CPU memory, indexed by their span index vectors."""
@@ -104,7 +98,7 @@ class Indexer:
 
     def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling) -> tuple[torch.Tensor, int]:
         """The chunk's query index vectors [A, Hq, D]: its own causal map divided into spans, the top-voted
-        queries of each span (as many as Eq. 7 gives)."""
+        queries of each span (as many as Eq. 7 gives, within the same bounds as a block's)."""
         _, Hq, T, D = query.shape
         hkv = key.shape[1]
         end = layer.width
@@ -113,13 +107,9 @@ class Indexer:
         s = torch.matmul(q, k[:, None].transpose(-1, -2)) * scaling  # [Hkv, G, T, T]
         causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
         amap = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).sum(dim=(0, 1)).cpu()
-        votes = amap.sum(dim=0)
-        rows: set[int] = set()
         found = sp.divide(amap, self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode)
-        for span in found:
-            n = self._count(layer_idx, span)
-            rows.update((span.start + votes[span.start:span.end + 1].topk(n).indices).tolist())
-        picked = torch.tensor(sorted(rows), dtype=torch.long, device=query.device)
+        rows = self._allocate(layer_idx, found, amap.sum(dim=0))
+        picked = torch.tensor(rows, dtype=torch.long, device=query.device)
         return query[0][:, picked].transpose(0, 1), len(found)
 
     def retrieve(self, layer: LtriLayer, layer_idx: int, query, key, scaling, cache: LtriCache) -> None:

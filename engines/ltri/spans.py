@@ -16,7 +16,10 @@ our reading of its prose, stated where it is a choice:
 - Confidence (Eq. 7): x = T / (T + N), T the span's triangle mass (unthresholded) and N its neighbours' mass
   inside the block: `row` = the span's queries on earlier keys, `col` = later queries on the span's keys,
   `rowcol` = both. The share of the span's tokens kept as index vectors is x ** lam (grows with x; a larger
-  lam restricts harder, as the paper's Figure 6 describes), clipped to [min_vectors, max_vectors].
+  lam restricts harder, as the paper's Figure 6 describes): its round(length * x ** lam) most-voted tokens.
+- Bounds: min_vectors and max_vectors (appendix B: 4 and 12, "M = 12") bound a block's vectors in total;
+  spans are served best first until the block holds max_vectors, and a block with fewer than min_vectors is
+  topped up with its most-voted remaining tokens.
 """
 
 from __future__ import annotations
@@ -133,21 +136,38 @@ def _confidence(p: torch.Tensor, i: int, j: int, n: int, mode: str) -> float:
     return 1.0 if total <= 0 else tri / total
 
 
-def vector_count(length: int, confidence: float, lam: float, lo: int, hi: int) -> int:
-    """Eq. 7: round(length * x ** lam) clipped to [lo, hi] and to the span's length."""
-    return max(1, min(length, hi, max(lo, round(length * confidence ** lam))))
+def span_count(length: int, confidence: float, lam: float) -> int:
+    """Eq. 7: round(length * x ** lam), at most the span's length."""
+    return min(length, round(length * confidence ** lam))
 
 
-def calibrate_lambda(lengths: torch.Tensor, confidence: torch.Tensor, target: float, lo: int, hi: int,
+def allocate(found: list[Span], votes: torch.Tensor, lam: float, lo: int, hi: int) -> list[int]:
+    """Rows (of the map) whose keys index it. found: spans, best first; votes: [n] attention each token got."""
+    rows: list[int] = []
+    for span in found:
+        n = span_count(span.length, span.confidence, lam)
+        if n:
+            best = (span.start + votes[span.start:span.end + 1].topk(n).indices).tolist()
+            rows.extend(r for r in best if r not in rows)
+        if len(rows) >= hi:
+            break
+    rows = rows[:hi]
+    if len(rows) < lo:
+        rest = [r for r in votes.argsort(descending=True, stable=True).tolist() if r not in rows]
+        rows.extend(rest[: lo - len(rows)])
+    return sorted(rows)
+
+
+def calibrate_lambda(lengths: torch.Tensor, confidence: torch.Tensor, target: float,
                      grid: torch.Tensor | None = None) -> float:
     """The smallest lam on the grid whose expected compression (tokens per index vector) reaches `target`.
 
     lengths, confidence: [m] spans seen so far on one layer (section 3.3.2's per-layer lookup table, built
-    from the spans this document has produced). The largest lam on the grid when none reaches the target.
+    from the spans this document has produced); counts per span by Eq. 7, before the per-block bounds. The
+    largest lam on the grid when none reaches the target.
     """
     grid = torch.linspace(0.5, 40.0, 80, dtype=torch.float64) if grid is None else grid
     n = (lengths.double()[None] * confidence.double()[None] ** grid[:, None]).round()
-    n = torch.minimum(n.clamp(min=lo, max=hi), lengths.double()[None]).clamp(min=1)
-    ratio = lengths.double().sum() / n.sum(dim=1)
+    ratio = lengths.double().sum() / torch.minimum(n, lengths.double()[None]).sum(dim=1).clamp(min=1)
     ok = torch.nonzero(ratio >= target)
     return float(grid[ok[0, 0]] if ok.numel() else grid[-1])
