@@ -9,7 +9,11 @@ import torch
 
 from longctx_cli.models import load_model
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def gpu(test):
+    """Marks a test `gpu` (selected by `-m gpu` on the device) and skips it without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 @pytest.fixture(scope="session")

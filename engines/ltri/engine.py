@@ -56,8 +56,8 @@ class LtriConfig:
     ratio_mode: str = "row"  # neighbours for the confidence: row, col or rowcol
     lam: float = 3.0  # Eq. 7
     lam_first_layers: float = 20.0  # lam of the model's first four layers
-    min_vectors: int = 1
-    max_vectors: int = 12
+    min_vectors: int = 4  # index vectors per block, at least (appendix B)
+    max_vectors: int = 12  # and at most ("M = 12")
     compression: float | None = None  # target tokens per index vector: calibrate lam per layer (3.3.2)
     retrieval_heads: str = "auto"  # auto: identified once per model (Wu et al.) and cached; none: all heads
     voting: bool = True  # collaborative voting across retrieval-head layers
@@ -213,7 +213,7 @@ class LtriEngine(Engine):
     @classmethod
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
         """Device bytes: every layer's bounded rows (K and V), independent of the document's length, plus
-        index vectors at max_vectors per 32 tokens (an upper estimate)."""
+        index vectors at max_vectors per block (the most they can be)."""
         cfg = engine_config or LtriConfig()
         per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
         text = model_config.get_text_config(decoder=True)
@@ -221,7 +221,7 @@ class LtriEngine(Engine):
         rows = sum(window + cfg.block_size + 4096 if t == "sliding_attention" else cfg.device_rows(2048, 2048)
                    for t in layer_types(model_config))
         full = sum(t != "sliding_attention" for t in layer_types(model_config))
-        index = full * (n_tokens * cfg.max_vectors // 32) * per_token_layer // 2
+        index = full * (n_tokens // cfg.block_size * cfg.max_vectors) * (per_token_layer // 2 + 8)
         return rows * per_token_layer + index
 
     @classmethod

@@ -6,6 +6,7 @@ Host work (span division, NMS) runs on small CPU tensors: one copy of the chunk'
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engines.ltri import spans as sp
@@ -32,9 +33,8 @@ class Indexer:
             return self.cfg.lam_first_layers
         return self.lams.get(layer_idx, self.cfg.lam)
 
-    def _count(self, layer_idx: int, span: sp.Span) -> int:
-        return sp.vector_count(span.length, span.confidence, self.lam(layer_idx), self.cfg.min_vectors,
-                               self.cfg.max_vectors)
+    def _allocate(self, layer_idx: int, found: list[sp.Span], votes: torch.Tensor) -> list[int]:
+        return sp.allocate(found, votes, self.lam(layer_idx), self.cfg.min_vectors, self.cfg.max_vectors)
 
     def _record(self, layer_idx: int, found: list[sp.Span]) -> None:
         """Keeps spans for the per-layer lam lookup (section 3.3.2) when a target compression is set."""
@@ -45,8 +45,7 @@ class Indexer:
         del seen[:-_CALIBRATION_SPANS]
         lengths = torch.tensor([n for n, _ in seen], dtype=torch.float64)
         conf = torch.tensor([c for _, c in seen], dtype=torch.float64)
-        self.lams[layer_idx] = sp.calibrate_lambda(lengths, conf, self.cfg.compression, self.cfg.min_vectors,
-                                                   self.cfg.max_vectors)
+        self.lams[layer_idx] = sp.calibrate_lambda(lengths, conf, self.cfg.compression)
 
     def head_weights(self, layer_idx: int, device: torch.device) -> torch.Tensor:
         """[Hq] weights of the query heads in retrieval: the layer's retrieval head, else all alike."""
@@ -60,28 +59,26 @@ class Indexer:
         window tokens at positions start..start+n-1."""
         if self.cfg.index != "dynamic":
             return
-        cpu = own.float().cpu()
         b = layer.block
         first = -(-(start - layer.n_init) // b)  # first block starting at or after `start`
+        count = (start + own.shape[0] - layer.n_init) // b - first
+        if count <= 0:
+            return
+        lo = layer.n_init + first * b - start
+        maps = own[lo:lo + count * b, lo:lo + count * b].float().cpu().numpy()
+        blocks = np.stack([maps[k * b:(k + 1) * b, k * b:(k + 1) * b] for k in range(count)])
         layer_idx = cache.layers.index(layer)
-        while layer.n_init + (first + 1) * b <= start + own.shape[0]:
-            lo = layer.n_init + first * b - start
-            found = sp.divide(cpu[lo:lo + b, lo:lo + b], self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode)
-            layer.pending[first] = found
+        for k, found in enumerate(sp.divide_many(blocks, self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode)):
+            layer.pending[first + k] = found
             self._record(layer_idx, found)
             cache.stats["spans"] += len(found)
-            first += 1
 
     def _pick(self, layer: LtriLayer, layer_idx: int, block_id: int, votes: torch.Tensor) -> list[int]:
         """Rows (within the block) whose keys become the block's index vectors."""
         if self.cfg.index == "static":
             return votes.topk(min(self.cfg.repr_topk, votes.numel())).indices.tolist()
         found = layer.pending.pop(block_id, None) or [sp.Span(0, votes.numel() - 1, 0.0, 1.0)]
-        rows: set[int] = set()
-        for span in found:
-            n = self._count(layer_idx, span)
-            rows.update((span.start + votes[span.start:span.end + 1].topk(n).indices).tolist())
-        return sorted(rows)
+        return self._allocate(layer_idx, found, votes)
 
     def evict(self, layer: LtriLayer, layer_idx: int, cache: LtriCache) -> None:
         """Whole blocks past the window go to CPU memory, indexed by their span index vectors."""
@@ -103,8 +100,8 @@ class Indexer:
         cache.stats["blocks_indexed"] += n
 
     def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling) -> tuple[torch.Tensor, int]:
-        """The chunk's query index vectors [A, Hq, D]: its own causal map divided into spans, the top-voted
-        queries of each span (as many as Eq. 7 gives)."""
+        """The chunk's query index vectors [A, Hq, D] and its span count: its own causal map, block by block,
+        divided into spans, the top-voted queries of each span (Eq. 7, within the bounds of a block)."""
         _, Hq, T, D = query.shape
         hkv = key.shape[1]
         end = layer.width
@@ -112,15 +109,16 @@ class Indexer:
         k = key[0, :, end - T:end].float()
         s = torch.matmul(q, k[:, None].transpose(-1, -2)) * scaling  # [Hkv, G, T, T]
         causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
-        amap = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).sum(dim=(0, 1)).cpu()
-        votes = amap.sum(dim=0)
-        rows: set[int] = set()
-        found = sp.divide(amap, self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode)
-        for span in found:
-            n = self._count(layer_idx, span)
-            rows.update((span.start + votes[span.start:span.end + 1].topk(n).indices).tolist())
-        picked = torch.tensor(sorted(rows), dtype=torch.long, device=query.device)
-        return query[0][:, picked].transpose(0, 1), len(found)
+        amap = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).sum(dim=(0, 1)).cpu().numpy()
+        # Divided block by block, like the stored side (the last piece may be shorter).
+        rows, n_spans, b = [], 0, layer.block
+        for lo in range(0, T, b):
+            piece = amap[lo:lo + b, lo:lo + b]
+            found = sp.divide(piece, self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode)
+            rows.extend(lo + r for r in self._allocate(layer_idx, found, piece.sum(axis=0)))
+            n_spans += len(found)
+        picked = torch.tensor(rows, dtype=torch.long, device=query.device)
+        return query[0][:, picked].transpose(0, 1), n_spans
 
     def retrieve(self, layer: LtriLayer, layer_idx: int, query, key, scaling, cache: LtriCache) -> None:
         """Fills the retrieval slots with the top_k blocks for this chunk (all blocks when they fit)."""
