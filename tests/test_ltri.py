@@ -80,11 +80,24 @@ def test_confidence():
     a = torch.ones(8, 8).tril()  # uniform: span [4, 7] shares its queries with keys 0..3
     span = sp.divide_at(a, 2.0, 0.1, "row")[0]  # threshold above every cell: the whole map as one span
     assert (span.start, span.end, span.confidence) == (0, 7, 1.0)
-    p = sp.prefix_sums(a.double())
-    assert sp._confidence(p, 4, 7, 8, "row") == pytest.approx(10 / (10 + 16))  # 10 cells vs rows 4..7 x keys 0..3
-    assert sp._confidence(p, 4, 7, 8, "col") == 1.0  # no later queries
-    assert sp._confidence(p, 2, 3, 8, "rowcol") == pytest.approx(3 / (3 + 4 + 8))
+    # Midpoint 11's best span at threshold 0.5 is [4, 7]: triangle 10 cells, rows 4..7 x keys 0..3 = 16.
+    row = sp.candidates(a[None], torch.tensor([0.5]), "row")[0, 11].tolist()
+    assert row == pytest.approx([4, 7, 5.0, 10 / 26])
+    assert sp.candidates(a[None], torch.tensor([0.5]), "col")[0, 11, 3].item() == 1.0  # no later queries
     assert sp.span_count(40, 1.0, 3.0) == 40 and sp.span_count(40, 0.5, 3.0) == 5 and sp.span_count(40, 0.1, 3.0) == 0
+
+
+def test_rect_sums_equal_brute_force():
+    a = _causal_map(12, 3).double()
+    p = sp.prefix_sums(a)[None]
+    g = torch.Generator().manual_seed(0)
+    r0, c0 = torch.randint(0, 12, (2, 1, 40), generator=g)
+    r1 = r0 + torch.randint(-1, 5, (1, 40), generator=g)  # -1: an empty range
+    c1 = c0 + torch.randint(-1, 5, (1, 40), generator=g)
+    r1, c1 = r1.clamp(max=11), c1.clamp(max=11)
+    got = sp._rect(p, r0, r1, c0, c1)[0]
+    want = [a[r0[0, k]:r1[0, k] + 1, c0[0, k]:c1[0, k] + 1].sum().item() for k in range(40)]
+    assert got.tolist() == pytest.approx(want, abs=1e-12)
 
 
 def test_allocation_serves_spans_best_first_within_the_block_bounds():

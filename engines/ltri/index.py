@@ -6,7 +6,6 @@ Host work (span division, NMS) runs on small CPU tensors: one copy of the chunk'
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from engines.ltri import spans as sp
@@ -65,8 +64,7 @@ class Indexer:
         if count <= 0:
             return
         lo = layer.n_init + first * b - start
-        maps = own[lo:lo + count * b, lo:lo + count * b].float().cpu().numpy()
-        blocks = np.stack([maps[k * b:(k + 1) * b, k * b:(k + 1) * b] for k in range(count)])
+        blocks = torch.stack([own[lo + k * b:lo + (k + 1) * b, lo + k * b:lo + (k + 1) * b] for k in range(count)])
         layer_idx = cache.layers.index(layer)
         for k, found in enumerate(sp.divide_many(blocks, self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode)):
             layer.pending[first + k] = found
@@ -109,14 +107,20 @@ class Indexer:
         k = key[0, :, end - T:end].float()
         s = torch.matmul(q, k[:, None].transpose(-1, -2)) * scaling  # [Hkv, G, T, T]
         causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
-        amap = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).sum(dim=(0, 1)).cpu().numpy()
-        # Divided block by block, like the stored side (the last piece may be shorter).
-        rows, n_spans, b = [], 0, layer.block
-        for lo in range(0, T, b):
-            piece = amap[lo:lo + b, lo:lo + b]
-            found = sp.divide(piece, self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode)
-            rows.extend(lo + r for r in self._allocate(layer_idx, found, piece.sum(axis=0)))
-            n_spans += len(found)
+        amap = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).sum(dim=(0, 1))
+        # Divided block by block, like the stored side (a shorter last piece on its own).
+        b = layer.block
+        pieces = [torch.stack([amap[lo:lo + b, lo:lo + b] for lo in range(0, T - T % b, b)])] if T >= b else []
+        if T % b:
+            pieces.append(amap[None, T - T % b:, T - T % b:])
+        votes = amap.sum(dim=0).cpu().numpy()  # attention each token got from the chunk's later queries
+        rows, n_spans, lo = [], 0, 0
+        for maps in pieces:
+            for found in sp.divide_many(maps, self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode):
+                width = maps.shape[-1]
+                rows.extend(lo + r for r in self._allocate(layer_idx, found, votes[lo:lo + width]))
+                n_spans += len(found)
+                lo += width
         picked = torch.tensor(rows, dtype=torch.long, device=query.device)
         return query[0][:, picked].transpose(0, 1), n_spans
 

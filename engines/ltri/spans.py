@@ -1,8 +1,9 @@
 """Semantic span division (Ltri-LLM section 3.2, appendices D-E) and dynamic index counts (section 3.3.2).
 
-NumPy on the host, batched over the blocks of a chunk: a block's map is a few hundred tokens square, the greedy
-NMS is sequential by nature, and per-op torch overhead on such small arrays cost ~10x more (measured). The paper's equations are not in our copy of the text; what follows is
-our reading of its prose, stated where it is a choice:
+Scoring is batched torch on the maps' own device (all blocks of a chunk at once: threshold, triangle scores,
+the anti-diagonal filter and every candidate's confidence); only the candidates, at most 2n - 1 per map, go to
+the host for the greedy NMS, which is sequential by nature. The paper's equations are not in our copy of the
+text; what follows is our reading of its prose, stated where it is a choice:
 
 - The map A [n, n] is the block's causal attention (queries x keys of the same tokens), summed over heads.
 - Threshold (Eq. 5): theta is the `threshold` quantile of A's causal cells (the paper: ~90th percentile);
@@ -47,32 +48,32 @@ def _np(a) -> np.ndarray:
     return a.detach().cpu().double().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float64)
 
 
-def prefix_sums(a) -> np.ndarray:
+def prefix_sums(a: torch.Tensor) -> torch.Tensor:
     """a: [..., n, n] -> P [..., n + 1, n + 1] with P[r + 1, c + 1] = sum of a[:r + 1, :c + 1] (float64)."""
-    a = _np(a)
-    p = np.zeros((*a.shape[:-2], a.shape[-2] + 1, a.shape[-1] + 1))
-    p[..., 1:, 1:] = a.cumsum(-2).cumsum(-1)
+    p = a.new_zeros((*a.shape[:-2], a.shape[-2] + 1, a.shape[-1] + 1), dtype=torch.float64)
+    p[..., 1:, 1:] = a.double().cumsum(-2).cumsum(-1)
     return p
 
 
-def triangle_scores(a, theta) -> np.ndarray:
+def _causal(n: int, device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+def triangle_scores(a: torch.Tensor, theta) -> torch.Tensor:
     """TA [..., n, n] indexed [j, i] (span [i, j]); -inf where i > j. a: [..., n, n] causal maps (rows:
-    queries); theta: a number or one per map [...]."""
-    a = _np(a)
+    queries); theta: a number or a tensor with one value per map [...]."""
     n = a.shape[-1]
-    causal = np.tril(np.ones((n, n), dtype=bool))
-    theta = np.asarray(theta, dtype=np.float64)[..., None, None]
-    p = prefix_sums(np.where(causal, a - theta, 0.0))
-    diag = np.diagonal(p, axis1=-2, axis2=-1)[..., 1:]  # P[j, j] (shifted by the zero row/column)
+    causal = _causal(n, a.device)
+    theta = torch.as_tensor(theta, dtype=torch.float64, device=a.device)[..., None, None]
+    p = prefix_sums(torch.where(causal, a.double() - theta, 0.0))
+    diag = p.diagonal(dim1=-2, dim2=-1)[..., 1:]  # P[j, j] (shifted by the zero row/column)
     ta = diag[..., :, None] - p[..., 1:, :-1]  # [j, i] = P[j, j] - P[j, i - 1]
-    return np.where(causal, ta, -np.inf)
+    return ta.masked_fill(~causal, float("-inf"))
 
 
-def quantile_threshold(a, q: float) -> np.ndarray:
-    """The q-quantile of the causal cells of each map a [..., n, n]."""
-    a = _np(a)
-    n = a.shape[-1]
-    return np.quantile(a[..., np.tril(np.ones((n, n), dtype=bool))], q, axis=-1)
+def quantile_threshold(a: torch.Tensor, q: float) -> torch.Tensor:
+    """The q-quantile of the causal cells of each map a [m, n, n] -> [m]."""
+    return torch.quantile(a[:, _causal(a.shape[-1], a.device)].double(), q, dim=-1)
 
 
 def nms(intervals, scores, iou_threshold: float) -> np.ndarray:
@@ -93,79 +94,73 @@ def nms(intervals, scores, iou_threshold: float) -> np.ndarray:
     return np.asarray(kept, dtype=np.int64)
 
 
-@functools.lru_cache(maxsize=8)
-def _antidiagonals(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For midpoints s = i + j in 0..2n-2 and i in 0..n-1: j = s - i, and whether (i, j) is a span (i <= j < n)."""
-    s = np.arange(2 * n - 1)[:, None]
-    i = np.arange(n)[None, :]
+@functools.lru_cache(maxsize=16)
+def _antidiagonals(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For midpoints s = i + j in 0..2n-2 and i in 0..n-1: j = s - i, i, and whether (i, j) is a span."""
+    s = torch.arange(2 * n - 1, device=device)[:, None]
+    i = torch.arange(n, device=device)[None, :]
     j = s - i
     valid = (j >= i) & (j < n)
-    return np.where(valid, j, 0), np.broadcast_to(i, valid.shape), valid
+    return j.where(valid, 0), i.expand_as(j), valid
 
 
-def best_per_antidiagonal(ta) -> np.ndarray:
-    """Appendix E's filter on TA [n, n]: among spans with TA > 0, the best per midpoint i + j. -> [m, 3] (i, j, TA)."""
-    return _best_per_antidiagonal(_np(ta)[None])[0]
+def _rect(p: torch.Tensor, r0, r1, c0, c1) -> torch.Tensor:
+    """Sums over rows r0..r1 and columns c0..c1 (inclusive; [m, k] index tensors; empty ranges give 0).
+    p: [m, n + 1, n + 1] prefix sums."""
+    def at(r, c):
+        return torch.gather(p.flatten(1), 1, r * p.shape[-1] + c)
+    return at(r1 + 1, c1 + 1) - at(r0, c1 + 1) - at(r1 + 1, c0) + at(r0, c0)
 
 
-def _best_per_antidiagonal(ta: np.ndarray) -> list[np.ndarray]:
-    j, i, valid = _antidiagonals(ta.shape[-1])
-    scores = np.where(valid, ta[:, j, i], -np.inf)  # [m, 2n-1, n]
-    best_i = scores.argmax(axis=-1)  # [m, 2n-1]
-    best = np.take_along_axis(scores, best_i[..., None], axis=-1)[..., 0]
-    out = []
-    for b in range(ta.shape[0]):
-        mids = np.nonzero(best[b] > 0)[0]
-        ii = best_i[b, mids]
-        out.append(np.stack([ii, mids - ii, best[b, mids]], axis=1).astype(np.float64))
-    return out
+def candidates(maps: torch.Tensor, theta: torch.Tensor, ratio_mode: str) -> torch.Tensor:
+    """Per map and midpoint, the best span: [m, 2n - 1, 4] (i, j, TA, confidence), TA <= 0 where none.
+
+    maps: [m, n, n] causal maps; theta: [m] thresholds. Confidence x = T / (T + N) (module docstring).
+    """
+    n = maps.shape[-1]
+    j, i, valid = _antidiagonals(n, maps.device)
+    scores = triangle_scores(maps, theta)[:, j, i].masked_fill(~valid, float("-inf"))  # [m, 2n-1, n]
+    best, bi = scores.max(dim=-1)
+    bj = torch.arange(2 * n - 1, device=maps.device) - bi
+    p = prefix_sums(maps)
+    tri = _rect(p, bi, bj, bi, bj)
+    zero = torch.zeros_like(bi)
+    row = _rect(p, bi, bj, zero, bi - 1) if ratio_mode in ("row", "rowcol") else torch.zeros_like(tri)
+    col = _rect(p, bj + 1, zero + n - 1, bi, bj) if ratio_mode in ("col", "rowcol") else torch.zeros_like(tri)
+    total = tri + row + col
+    conf = torch.where(total > 0, tri / total.clamp(min=1e-300), 1.0)
+    return torch.stack([bi.double(), bj.double(), best, conf], dim=-1)
 
 
-def divide(a, threshold: float, iou: float, ratio_mode: str = "row") -> list[Span]:
+def divide(a: torch.Tensor, threshold: float, iou: float, ratio_mode: str = "row") -> list[Span]:
     """Spans of a causal attention map a [n, n] (summed over heads), best first; never empty. threshold: the
     quantile of the map's causal cells subtracted before scoring."""
-    return divide_many(_np(a)[None], threshold, iou, ratio_mode)[0]
+    return divide_many(a[None], threshold, iou, ratio_mode)[0]
 
 
-def divide_many(maps, threshold: float, iou: float, ratio_mode: str = "row") -> list[list[Span]]:
-    """`divide` for several maps of one size at once: maps [m, n, n]."""
-    maps = _np(maps)
+def divide_many(maps: torch.Tensor, threshold: float, iou: float, ratio_mode: str = "row") -> list[list[Span]]:
+    """`divide` for several maps of one size at once: maps [m, n, n], on any device."""
     return _divide(maps, quantile_threshold(maps, threshold), iou, ratio_mode)
 
 
-def divide_at(a, theta: float, iou: float, ratio_mode: str = "row") -> list[Span]:
+def divide_at(a: torch.Tensor, theta: float, iou: float, ratio_mode: str = "row") -> list[Span]:
     """`divide` with the threshold theta given as a value, not a quantile."""
-    return _divide(_np(a)[None], np.asarray([theta]), iou, ratio_mode)[0]
+    return _divide(a[None], torch.tensor([theta], dtype=torch.float64, device=a.device), iou, ratio_mode)[0]
 
 
-def _divide(maps: np.ndarray, theta: np.ndarray, iou: float, ratio_mode: str) -> list[list[Span]]:
+def _divide(maps: torch.Tensor, theta: torch.Tensor, iou: float, ratio_mode: str) -> list[list[Span]]:
     n = maps.shape[-1]
-    raw = prefix_sums(maps)
     out = []
-    for b, cands in enumerate(_best_per_antidiagonal(triangle_scores(maps, theta))):
+    for cands in candidates(maps, theta, ratio_mode).cpu().numpy():  # one device -> host copy
+        cands = cands[cands[:, 2] > 0]
         if cands.shape[0] == 0:
-            out.append([Span(0, n - 1, 0.0, _confidence(raw[b], 0, n - 1, n, ratio_mode))])
+            # The whole map: no neighbours inside it, so fully confident.
+            out.append([Span(0, n - 1, 0.0, 1.0)])
             continue
         keep = nms(cands[:, :2].astype(np.int64), cands[:, 2], iou)
-        out.append([Span(int(cands[k, 0]), int(cands[k, 1]), float(cands[k, 2]),
-                         _confidence(raw[b], int(cands[k, 0]), int(cands[k, 1]), n, ratio_mode)) for k in keep])
+        out.append([Span(int(cands[k, 0]), int(cands[k, 1]), float(cands[k, 2]), float(cands[k, 3]))
+                    for k in keep])
     return out
-
-
-def _rect(p: np.ndarray, r0: int, r1: int, c0: int, c1: int) -> float:
-    """Sum of the map over rows r0..r1 and columns c0..c1 (inclusive; empty ranges give 0)."""
-    if r1 < r0 or c1 < c0:
-        return 0.0
-    return float(p[r1 + 1, c1 + 1] - p[r0, c1 + 1] - p[r1 + 1, c0] + p[r0, c0])
-
-
-def _confidence(p: np.ndarray, i: int, j: int, n: int, mode: str) -> float:
-    """x = T / (T + N) for the span [i, j] (see the module docstring); 1 when the neighbours hold nothing."""
-    tri = _rect(p, i, j, i, j)  # the map is causal: the square's upper part is zero
-    row = _rect(p, i, j, 0, i - 1) if mode in ("row", "rowcol") else 0.0
-    col = _rect(p, j + 1, n - 1, i, j) if mode in ("col", "rowcol") else 0.0
-    total = tri + row + col
-    return 1.0 if total <= 0 else tri / total
 
 
 def span_count(length: int, confidence: float, lam: float) -> int:
