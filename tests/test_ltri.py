@@ -124,6 +124,46 @@ def test_lambda_calibration_picks_the_smallest_that_compresses_enough():
     assert smaller.numel() == 0 or ratio(float(smaller[-1])) < 8.0
 
 
+def test_voting_adds_earlier_retrieval_head_layers():
+    from types import SimpleNamespace
+
+    from engines.ltri import LtriConfig
+    from engines.ltri.index import Indexer
+
+    indexer = Indexer(LtriConfig(), SimpleNamespace(num_attention_heads=4), {5: (1, 0.9), 11: (2, 0.5)})
+    cache = SimpleNamespace(chunk_votes=[])
+    first = indexer._vote(5, torch.tensor([0.0, 2.0, 4.0]), cache)  # own scores, min-max normalised
+    assert first.tolist() == pytest.approx([0.0, 0.45, 0.9]) and len(cache.chunk_votes) == 1
+    # A layer without a retrieval head weighs itself 0.1 and adds the earlier layer's vote, but casts none.
+    plain = indexer._vote(8, torch.tensor([4.0, 0.0, float("-inf")]), cache)
+    assert plain.tolist() == pytest.approx([0.1, 0.45, 0.9]) and len(cache.chunk_votes) == 1
+    assert indexer.head_weights(11, torch.device("cpu")).tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert indexer.head_weights(8, torch.device("cpu")).tolist() == [0.25] * 4
+
+
+def test_retrieval_slots_keep_blocks_already_loaded():
+    from types import SimpleNamespace
+
+    from engines.ltri.cache import LtriLayer
+
+    owner = SimpleNamespace(decoding=False, offset=0, filled=0)
+    layer = LtriLayer(owner, n_init=4, n_retrieved=3 * 4, n_local=8, block=4, room=8, window=None, retrieve=True)
+    layer.lazy_initialization(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3))
+    for b in range(5):  # five evicted blocks, block b filled with the value b
+        layer.memory.add(torch.full((2, 4, 3), float(b)), torch.full((2, 4, 3), -float(b)))
+    per_block = 2 * 2 * 4 * 3 * 4  # K and V, 2 heads x 4 tokens x 3 dims, fp32
+    assert layer.load_blocks([0, 2, 4]) == 3 * per_block
+    assert layer.load_blocks([1, 2]) == per_block  # 2 stays where it is, 1 takes a freed slot
+    assert sorted(b for b in layer.slots if b >= 0) == [1, 2]
+    for s, b in enumerate(layer.slots):
+        rows = slice(4 + 4 * s, 8 + 4 * s)
+        if b < 0:
+            assert (layer.key_pos[rows] == -1).all()
+        else:
+            assert (layer.keys[0, :, rows] == b).all() and (layer.values[0, :, rows] == -b).all()
+            assert layer.key_pos[rows].tolist() == list(range(4 + 4 * b, 8 + 4 * b))
+
+
 def test_window_covering_the_document_equals_dense(lm, story_text):
     doc, question = story_ids(lm, story_text, 900)
     dense, _ = greedy_answer(make_engine(lm, "dense", chunk_size=256), doc, question, 10)
