@@ -184,7 +184,8 @@ def test_needle_in_a_document_four_times_the_budget(lm):
     tok = lm.tokenizer
     sample = generate("niah_single_2", 2920, 1, tok, seed=1, depths=[0.6], budget=32)[0]
     doc = torch.tensor([tok.bos_token_id] + tok(sample.document, add_special_tokens=False)["input_ids"])
-    question = torch.tensor(tok(prompt_tail(sample.question, sample.answer_prefix), add_special_tokens=False)["input_ids"])
+    tail = prompt_tail(sample.question, sample.answer_prefix)
+    question = torch.tensor(tok(tail, add_special_tokens=False)["input_ids"])
     budget = SMALL["n_init"] + SMALL["top_k"] * SMALL["block_size"] + SMALL["n_local"] + SMALL["chunk_size"]
     assert doc.numel() >= 4 * budget
     engine = make_engine(lm, "ltri-stream", **SMALL)

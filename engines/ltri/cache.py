@@ -17,7 +17,8 @@ Nothing here grows with the document except the CPU context memory and the index
 from __future__ import annotations
 
 import torch
-from engines.cache import OwnedRowsLayer, StaticKVCache
+
+from engines.cache import OwnedRowsLayer, StaticKVCache, layer_types
 from engines.ltri.memory import ContextMemory, IndexMemory
 
 
@@ -31,12 +32,18 @@ class LtriLayer(OwnedRowsLayer):
         self.n_init, self.n_retrieved, self.n_local = n_init, n_retrieved, n_local
         self.local0 = n_init + n_retrieved
         self.local_cap = n_local + block + room
-        self.rows = self.local0 + self.local_cap
+        self.rows = self.rows_for(n_init, n_retrieved, n_local, block, room)
         self.local_len = 0  # rows of the local window in use
         self.local_start = n_init  # position of local row 0
         self.slots = [-1] * (n_retrieved // block)  # block id per retrieval slot
         self.pending: dict[int, list] = {}  # block id -> spans, for blocks still in the window
         self.peak_rows = 0  # most valid rows ever held (measured at every chunk)
+
+    @staticmethod
+    def rows_for(n_init: int, n_retrieved: int, n_local: int, block: int, room: int, **_) -> int:
+        """Buffer rows: init, retrieval slots, then the window's >= n_local tokens, a partial block and room
+        (the chunk in flight, or the question and the answer)."""
+        return n_init + n_retrieved + n_local + block + room
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
@@ -49,6 +56,7 @@ class LtriLayer(OwnedRowsLayer):
         self.key_pos = torch.full((self.rows,), -1, dtype=torch.long, device=self.device)
         self.votes = torch.zeros(self.rows, dtype=torch.float32, device=self.device)
         self.shift = torch.zeros(1, dtype=torch.long, device=self.device)  # decode: row = position - shift
+        self.rows_t = torch.full((batch,), self.rows, dtype=torch.long, device=self.device)  # decode reads all
         if self.retrieve:
             pin = self.device.type == "cuda"
             self.memory = ContextMemory(heads, self.block, dim, self.dtype, pin)
@@ -145,14 +153,27 @@ class LtriLayer(OwnedRowsLayer):
         return self.keys.nbytes + self.values.nbytes + self.key_pos.nbytes + self.votes.nbytes
 
 
-class LtriCache(StaticKVCache):
-    """One LtriLayer per decoder layer; `votes` collects retrieval-head layers' block scores per chunk."""
+def layer_specs(model_config, cfg, room: int) -> list[dict]:
+    """Per decoder layer, LtriLayer's settings (cfg: the engine's config): full-attention layers stream (init,
+    retrieval slots, a window of cfg.n_local); the model's sliding-window layers keep only their window."""
+    window = getattr(model_config.get_text_config(decoder=True), "sliding_window", None)
+    full = dict(n_init=cfg.n_init, n_retrieved=cfg.top_k * cfg.block_size, n_local=cfg.n_local, window=None,
+                retrieve=True)
+    sliding = dict(n_init=0, n_retrieved=0, n_local=window, window=window, retrieve=False)
+    return [dict(sliding if t == "sliding_attention" else full, block=cfg.block_size, room=room)
+            for t in layer_types(model_config)]
 
-    def __init__(self, config, capacity: int, layers: list[LtriLayer]):
-        super().__init__(config, capacity, layers)
+
+class LtriCache(StaticKVCache):
+    """One LtriLayer per decoder layer (specs from `layer_specs`); `chunk_votes` collects retrieval-head
+    layers' block scores within a chunk."""
+
+    def __init__(self, config, capacity: int, specs: list[dict], indexer):
+        super().__init__(config, capacity, [LtriLayer(self, **spec) for spec in specs])
+        self.indexer = indexer
         self.chunk_votes: list[tuple[float, torch.Tensor]] = []
         self.stats = {"host_to_device_bytes": 0, "device_to_host_bytes": 0, "blocks_retrieved": 0,
-                      "retrievals": 0, "spans": 0, "blocks_indexed": 0, "query_spans": 0}
+                      "retrievals": 0, "spans": 0, "blocks_indexed": 0}
 
     def begin_chunk(self, offset: int, n: int) -> None:
         super().begin_chunk(offset, n)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from engines.base import DocumentState, Engine, EngineInputError, outside_engine_error
 from engines.cache import layer_types
-from engines.ltri.cache import LtriCache, LtriLayer
+from engines.ltri.cache import LtriCache, LtriLayer, layer_specs
 from engines.ltri.heads import cached_heads
 from engines.ltri.index import Indexer
 from kernels.decode_attention import decode_attention, decode_backend
@@ -86,10 +86,6 @@ class LtriConfig:
             if not ok:
                 raise ValueError(f"bad value for {name}: {getattr(self, name)!r}; expected {expected}")
 
-    def device_rows(self, chunk: int, room: int) -> int:
-        """Rows of a full-attention layer on the device: init + retrieved + window + chunk + room."""
-        return self.n_init + self.top_k * self.block_size + self.n_local + self.block_size + chunk + room
-
 
 def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_own: int):
     """Explicit softmax over the layer's rows; adds each row's votes; returns out [B, Hq, T, D] and the
@@ -134,8 +130,6 @@ def _decode(layer: LtriLayer, query, key, value, scaling, cache: LtriCache):
     if layer.window is not None:
         mask = mask & (cache.position_on(query.device) - layer.key_pos < layer.window)
     mask = mask.view(1, 1, -1).expand(key.shape[0], key.shape[1], -1).contiguous()
-    if not hasattr(layer, "rows_t"):
-        layer.rows_t = torch.full((key.shape[0],), layer.rows, dtype=torch.long, device=query.device)
     out = decode_attention(query[:, :, 0], key, value, layer.rows_t, scale=scaling, key_mask=mask)
     return out.unsqueeze(1)
 
@@ -173,27 +167,13 @@ class LtriEngine(Engine):
         indexer.retrieve(layer, module.layer_idx, query, key, scaling, longctx)
         n_own = min(t, layer.local_len)
         out, own = _softmax_attention(layer, query, key, value, scaling, offset, n_own)
-        indexer.note_spans(layer, own, offset + t - n_own, longctx)
+        indexer.note_spans(layer, module.layer_idx, own, offset + t - n_own, longctx)
         indexer.evict(layer, module.layer_idx, longctx)
         return out.transpose(1, 2), None
 
     def make_cache(self, capacity: int) -> LtriCache:
-        cfg, chunk = self.config, self.run.chunk_size
-        room = chunk + self._reserve
-        window = getattr(self.text_config, "sliding_window", None)
-        layers = []
-        cache = LtriCache.__new__(LtriCache)
-        for kind in layer_types(self.model.config):
-            if kind == "sliding_attention":
-                layers.append(LtriLayer(cache, n_init=0, n_retrieved=0, n_local=window, block=cfg.block_size,
-                                        room=room, window=window, retrieve=False))
-            else:
-                layers.append(LtriLayer(cache, n_init=cfg.n_init, n_retrieved=cfg.top_k * cfg.block_size,
-                                        n_local=cfg.n_local, block=cfg.block_size, room=room, window=None,
-                                        retrieve=True))
-        LtriCache.__init__(cache, self.model.config, capacity, layers)
-        cache.indexer = self.indexer
-        return cache
+        room = self.run.chunk_size + self._reserve
+        return LtriCache(self.model.config, capacity, layer_specs(self.model.config, self.config, room), self.indexer)
 
     def prefill(self, ids, *, reserve, progress=None) -> DocumentState:
         if self.run.chunk_size % self.config.block_size:
@@ -214,14 +194,11 @@ class LtriEngine(Engine):
 
     @classmethod
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
-        """Device bytes: every layer's bounded rows (K and V), independent of the document's length, plus
-        index vectors at max_vectors per block (the most they can be)."""
+        """Device bytes: every layer's bounded rows (K and V; room for a 2048-token chunk and 2048 question and
+        answer tokens), independent of the document's length, plus index vectors at max_vectors per block."""
         cfg = engine_config or LtriConfig()
         per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
-        text = model_config.get_text_config(decoder=True)
-        window = getattr(text, "sliding_window", None) or 0
-        rows = sum(window + cfg.block_size + 4096 if t == "sliding_attention" else cfg.device_rows(2048, 2048)
-                   for t in layer_types(model_config))
+        rows = sum(LtriLayer.rows_for(**spec) for spec in layer_specs(model_config, cfg, 4096))
         full = sum(t != "sliding_attention" for t in layer_types(model_config))
         index = full * (n_tokens // cfg.block_size * cfg.max_vectors) * (per_token_layer // 2 + 8)
         return rows * per_token_layer + index
@@ -237,16 +214,10 @@ class LtriEngine(Engine):
                 f"(bf16) for {n_tokens:,} tokens"]
 
     def kv_read_bytes(self, model_config, n_tokens: int, dtype_bytes: int) -> int:
-        """A decode step reads every layer's rows (masked ones included)."""
+        """A decode step reads every layer's rows (masked ones included): room for a chunk and the answer."""
         per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
-        return per_token_layer * sum(layer_rows for layer_rows in self._rows_per_layer())
-
-    def _rows_per_layer(self) -> list[int]:
-        cfg, chunk = self.config, self.run.chunk_size
-        window = getattr(self.text_config, "sliding_window", None) or 0
-        room = chunk + self.run.max_new_tokens
-        return [window + cfg.block_size + room if t == "sliding_attention" else cfg.device_rows(chunk, room)
-                for t in layer_types(self.model.config)]
+        specs = layer_specs(model_config, self.config, self.run.chunk_size + self.run.max_new_tokens)
+        return per_token_layer * sum(LtriLayer.rows_for(**spec) for spec in specs)
 
     def backends(self) -> dict[str, str]:
         return {"prefill_attention": "explicit softmax over init + retrieved + window (votes, span maps); "

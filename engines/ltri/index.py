@@ -1,7 +1,7 @@
 """The index side of `ltri-stream`: span index vectors in, block retrieval out (sections 3.3-3.5).
 
 One Indexer per engine; its per-document state (lam calibration samples, counters) is reset by prefill.
-Host work (span division, NMS) runs on small CPU tensors: one copy of the chunk's map per layer and chunk.
+Span scoring runs on the maps' device (engines/ltri/spans.py); the host does the NMS and picks index vectors.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Indexer:
             w.zero_()[self.heads[layer_idx][0]] = 1.0
         return w
 
-    def note_spans(self, layer: LtriLayer, own: torch.Tensor, start: int, cache: LtriCache) -> None:
+    def note_spans(self, layer: LtriLayer, layer_idx: int, own: torch.Tensor, start: int, cache: LtriCache) -> None:
         """Span division of every block completed inside the chunk. own: [n, n] the chunk's map over its
         window tokens at positions start..start+n-1."""
         if self.cfg.index != "dynamic":
@@ -65,7 +65,6 @@ class Indexer:
             return
         lo = layer.n_init + first * b - start
         blocks = torch.stack([own[lo + k * b:lo + (k + 1) * b, lo + k * b:lo + (k + 1) * b] for k in range(count)])
-        layer_idx = cache.layers.index(layer)
         for k, found in enumerate(sp.divide_many(blocks, self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode)):
             layer.pending[first + k] = found
             self._record(layer_idx, found)
@@ -97,8 +96,8 @@ class Indexer:
         layer.index.add(keys[:, index].transpose(0, 1), torch.tensor(blocks, dtype=torch.long, device=keys.device))
         cache.stats["blocks_indexed"] += n
 
-    def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling) -> tuple[torch.Tensor, int]:
-        """The chunk's query index vectors [A, Hq, D] and its span count: its own causal map, block by block,
+    def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling) -> torch.Tensor:
+        """The chunk's query index vectors [A, Hq, D]: its own causal map, block by block,
         divided into spans, the top-voted queries of each span (Eq. 7, within the bounds of a block)."""
         _, Hq, T, D = query.shape
         hkv = key.shape[1]
@@ -114,15 +113,14 @@ class Indexer:
         if T % b:
             pieces.append(amap[None, T - T % b:, T - T % b:])
         votes = amap.sum(dim=0).cpu().numpy()  # attention each token got from the chunk's later queries
-        rows, n_spans, lo = [], 0, 0
+        rows, lo = [], 0
         for maps in pieces:
             for found in sp.divide_many(maps, self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode):
                 width = maps.shape[-1]
                 rows.extend(lo + r for r in self._allocate(layer_idx, found, votes[lo:lo + width]))
-                n_spans += len(found)
                 lo += width
         picked = torch.tensor(rows, dtype=torch.long, device=query.device)
-        return query[0][:, picked].transpose(0, 1), n_spans
+        return query[0][:, picked].transpose(0, 1)
 
     def retrieve(self, layer: LtriLayer, layer_idx: int, query, key, scaling, cache: LtriCache) -> None:
         """Fills the retrieval slots with the top_k blocks for this chunk (all blocks when they fit)."""
@@ -133,8 +131,7 @@ class Indexer:
         if n_blocks <= self.cfg.top_k:
             wanted = list(range(n_blocks))
         else:
-            qvec, n_spans = self._query_vectors(layer, layer_idx, query, key, scaling)
-            cache.stats["query_spans"] += n_spans
+            qvec = self._query_vectors(layer, layer_idx, query, key, scaling)
             hkv = key.shape[1]
             w = self.head_weights(layer_idx, query.device)
             qw = (qvec.float() * w[None, :, None]).view(qvec.shape[0], hkv, -1, qvec.shape[-1]).sum(dim=2)

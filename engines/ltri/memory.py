@@ -24,6 +24,9 @@ class _Growable:
 
     def reserve(self, extra: int) -> None:
         if self.n + extra > self.data.shape[0]:
+            if self.pin:
+                # The host copy below is not stream-ordered: earlier async device -> host copies must land.
+                torch.cuda.synchronize()
             bigger = self._alloc(max(2 * self.data.shape[0], self.n + extra))
             bigger[: self.n].copy_(self.data[: self.n])
             self.data = bigger

@@ -19,6 +19,7 @@ heads of the KV head.
 from __future__ import annotations
 
 import torch
+
 from engines.cache import OwnedRowsLayer, StaticKVCache, layer_types
 from engines.sas.analyzer import CachePlan
 
