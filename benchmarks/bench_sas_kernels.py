@@ -8,10 +8,12 @@ B=1, MHA (64 heads, head_dim 128), bf16, random q/k/v (speed only). Per pattern 
   runs fastest ("sas": the 128 x 128 candidate is the flex measurement itself, so sas <= flex by construction;
   the row lists every candidate); dense causal SDPA, flash backend ("dense"), up to --dense-max-len.
 - decode (one query at position N-1, the cache holding N tokens): FlexAttention decoding over the full cache
-  ("flex"); SAS: the compacted cache of plan_cache(pattern, N).slots rows, the per-slot mask (the pattern at each
-  slot's key position) and the split-KV Triton decode kernel ("sas", timed together, as the engine runs them;
-  "sas_fused_mask" computes that mask in one compiled kernel; "sas_kernel" is the kernel alone with the mask
-  precomputed, the paper's measure); the same kernel over the full cache without a mask ("dense").
+  ("flex"); SAS: the compacted cache of plan_cache(pattern, N).slots rows read by the split-KV Triton decode
+  kernel with the pattern generated into it (engines/sas/codegen.py: each row masked by the pattern at its key
+  position, inside the key loop; "sas", what the engine runs); for comparison the same kernel given the mask
+  as per-row flags, computed by a dozen eager torch ops ("sas_eager_mask") or by one compiled kernel
+  ("sas_compiled_mask"), or precomputed outside the timing ("sas_kernel"); the same kernel over the full
+  cache without a mask ("dense").
 Prefill: triton.testing.do_bench (L2 flushed; with --prefill-timer cuda_graph, graph replays without launch
 overhead, rows "prefill-graph"). Decode: CUDA-graph replays over enough copies of the caches (one per emulated
 layer) that the bytes each method reads do not stay in L2, per copy; "ms_eager" is do_bench of one
@@ -44,7 +46,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines.sas.analyzer import plan_cache  # noqa: E402
 from engines.sas.parse import parse_pattern  # noqa: E402
-from kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from engines.sas.codegen import triton_visible  # noqa: E402
+from kernels.decode_attention import PositionMask, decode_attention, decode_attention_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PATTERNS = ["sas-pattern", "sas-block-local", "sas-sliding-window", "sas-openai-strided", "sas-openai-fixed",
@@ -69,7 +72,7 @@ def pattern_of(name: str):
 
 
 @functools.cache
-def fused_slot_mask(name: str, heads: int):
+def compiled_slot_mask(name: str, heads: int):
     """The per-slot decode mask as one compiled kernel instead of a dozen small ones (for comparison)."""
     pattern = pattern_of(name)
 
@@ -201,7 +204,7 @@ def copies_for(bytes_read: int, cap: int = 64) -> int:
 
 def speedups(ms: dict) -> dict:
     """base time / sas time (and / sas_kernel time where there is one)."""
-    return {f"{m}_vs_{base}": round(ms[base] / ms[m], 3) for m in ("sas", "sas_fused_mask", "sas_kernel")
+    return {f"{m}_vs_{base}": round(ms[base] / ms[m], 3) for m in ("sas", "sas_eager_mask", "sas_compiled_mask", "sas_kernel")
             for base in ("flex", "dense") if ms.get(m) and ms.get(base)}
 
 
@@ -320,11 +323,12 @@ def decode_row(name: str, n: int, args, plan_futures: dict, emit) -> None:
 
 
 def decode_one(name: str, n: int, pos: int, slots: int, slot_of, H: int, D: int, dev, check: bool = False) -> dict:
-    """One decode step at position pos with the cache planned for n tokens: flex / sas / sas_kernel / dense
-    (and sas_fused_mask: sas with the mask computed by one compiled kernel)."""
+    """One decode step at position pos with the cache planned for n tokens: flex / sas (generated mask) /
+    sas_eager_mask / sas_compiled_mask / sas_kernel (mask precomputed) / dense."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    pattern, fused = pattern_of(name), fused_slot_mask(name, H)
+    pattern, compiled = pattern_of(name), compiled_slot_mask(name, H)
+    generated = PositionMask(pattern.visible, triton_visible(pattern))
     opts = dict(device=dev, dtype=torch.bfloat16)
     scale, flex = D**-0.5, compiled_flex()
     key_pos = slot_positions(slot_of, slots, pos)
@@ -374,13 +378,15 @@ def decode_one(name: str, n: int, pos: int, slots: int, slot_of, H: int, D: int,
     fixed_mask = slot_mask()
     steps = {
         "flex": lambda c: flex(q4, kf[c], vf[c], block_mask=bm, scale=scale),
-        "sas": lambda c: decode_attention(q, ks[c], vs[c], len_slots, scale=scale, key_mask=slot_mask()),
+        "sas": lambda c: decode_attention(q, ks[c], vs[c], len_slots, scale=scale, key_pos=key_pos_dev,
+                                          q_pos=first.view(1), position_mask=generated),
+        "sas_eager_mask": lambda c: decode_attention(q, ks[c], vs[c], len_slots, scale=scale, key_mask=slot_mask()),
         "sas_kernel": lambda c: decode_attention(q, ks[c], vs[c], len_slots, scale=scale, key_mask=fixed_mask),
-        "sas_fused_mask": lambda c: decode_attention(q, ks[c], vs[c], len_slots, scale=scale,
-                                                     key_mask=fused(pos_dev, key_pos_dev)),
+        "sas_compiled_mask": lambda c: decode_attention(q, ks[c], vs[c], len_slots, scale=scale,
+                                                        key_mask=compiled(pos_dev, key_pos_dev)),
         "dense": lambda c: decode_attention(q, kf[c], vf[c], len_dense, scale=scale),
     }
-    copies["sas_kernel"] = copies["sas_fused_mask"] = copies["sas"]
+    copies["sas_kernel"] = copies["sas_compiled_mask"] = copies["sas_eager_mask"] = copies["sas"]
     outs = {m: step(0) for m, step in steps.items()}  # warm-up (FlexAttention compiles here)
     sync()
     ms, quant, eager, errors = {}, {}, {}, {}
@@ -397,7 +403,7 @@ def decode_one(name: str, n: int, pos: int, slots: int, slot_of, H: int, D: int,
                                      key_mask=pattern.visible(first, torch.arange(n, device=dev)).expand(1, H, n)
                                      .contiguous())
     diffs = {m: (outs[m].reshape(ref.shape).float() - ref.float()).abs().max().item()
-             for m in ("flex", "sas", "sas_fused_mask")}
+             for m in ("flex", "sas", "sas_eager_mask", "sas_compiled_mask")}
     row.update(ms=ms, q20_q80=quant, ms_eager=eager, copies=copies, speedup=speedups(ms),
                speedup_eager=speedups(eager), flex_listed_blocks=flex_blocks,
                check={"max_abs_vs_reference": diffs, "tolerance": TOLERANCE,
@@ -454,7 +460,7 @@ def summary(rows: list[dict]) -> str:
         ms, sp = r.get("ms", {}), r.get("speedup", {})
         fmt = lambda x: f"{x:9.4f}" if x else f"{'-':>9}"  # noqa: E731
         detail = f"block {r.get('sas_block')}" if r["phase"].startswith("prefill") else \
-            f"slots {r.get('cache_slots')}, vs flex: fused mask x{sp.get('sas_fused_mask_vs_flex', '-')}, " \
+            f"slots {r.get('cache_slots')}, vs flex: compiled mask x{sp.get('sas_compiled_mask_vs_flex', '-')}, " \
             f"kernel only x{sp.get('sas_kernel_vs_flex', '-')}"
         lines.append(f"{r['pattern']:<24} {r['N']:>6} {r['phase'][:9]:<9} {fmt(ms.get('flex'))} {fmt(ms.get('sas'))} "
                      f"{fmt(ms.get('dense'))} {sp.get('sas_vs_flex', '-'):>7} {sp.get('sas_vs_dense', '-'):>7}  "
@@ -480,7 +486,8 @@ def main() -> None:
                                    "head_dim marked static; block masks from the pattern (checked against "
                                    "create_block_mask at the smallest N)",
                            "dense_prefill": "SDPA is_causal=True, flash backend",
-                           "decode_kernel": "kernels.decode_attention (Triton split-KV)",
+                           "decode_kernel": "kernels.decode_attention (Triton split-KV); sas: pattern generated "
+                                            "into the kernel (engines/sas/codegen.py)",
                            "decode_timing": "CUDA-graph replay over `copies` cache copies, per copy",
                            "prefill_timing": "triton.testing.do_bench, L2 flushed (phase prefill); CUDA-graph "
                                              "replay, L2 not flushed (phase prefill-graph)",

@@ -4,6 +4,7 @@ uses against brute force, cache plans through the paper's event simulator, the s
 from __future__ import annotations
 
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -16,10 +17,15 @@ from hypothesis import strategies as st
 from engines.sas.analyzer import NOTHING, assign_slots, last_use, max_alive, plan_cache, split
 from engines.sas.parse import parse_pattern
 from engines.sas.pattern import And, Diag, Dynamic, Not, Or, Rect, Span, Spread
+from engines.sas.codegen import triton_visible, visible_expression
 from engines.sas.simulate import simulate
+from kernels.decode_attention import PositionMask, decode_attention_reference
 
 PROFILES = sorted((Path(__file__).parent.parent / "profiles").glob("sas-*.yaml"))
 SETTINGS = settings(max_examples=150, deadline=None, database=None)
+# Triton kernels run on CUDA, or on CPU through Triton's interpreter (TRITON_INTERPRET=1 with Triton installed).
+DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None)
+needs_triton = pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or TRITON_INTERPRET=1 with Triton)")
 
 
 def reference(p, q: int, k: int) -> bool:
@@ -293,3 +299,87 @@ def test_cache_index_function_in_closed_form(text, formula):
     from engines.sas.analyzer import describe_index
 
     assert describe_index(plan_cache(text, 16384).slot_of) == formula
+
+
+class CInt:
+    """An integer with C's (and Triton's) truncating // and %, to evaluate generated code as the GPU does."""
+
+    def __init__(self, v: int):
+        self.v = v
+
+    def _other(self, o):
+        return o.v if isinstance(o, CInt) else o
+
+    def __sub__(self, o):
+        return CInt(self.v - self._other(o))
+
+    def __floordiv__(self, o):
+        o = self._other(o)
+        return CInt(abs(self.v) // o * (1 if self.v >= 0 else -1))
+
+    def __mod__(self, o):
+        return CInt(self.v - (self // o).v * self._other(o))
+
+    def __eq__(self, o):
+        return self.v == self._other(o)
+
+    def __ge__(self, o):
+        return self.v >= self._other(o)
+
+    def __lt__(self, o):
+        return self.v < self._other(o)
+
+    def __le__(self, o):
+        return self.v <= self._other(o)
+
+
+@seed(42)
+@SETTINGS
+@given(p=patterns, n=st.integers(1, 40))
+def test_generated_code_equals_visible(p, n):
+    """The Triton text of a pattern, evaluated with truncating // and % (Triton's) and with torch's flooring
+    ones, gives Pattern.visible, including empty rows (key -1) and keys after the query."""
+    text = visible_expression(p)
+    code = compile(text, "<generated>", "eval")
+    q = torch.arange(n)
+    keys = torch.arange(-1, n + 3)
+    want = p.visible(q[:, None], keys[None, :])
+    assert torch.equal(eval(code, {}, {"q": q[:, None], "k": keys[None, :]}), want), text
+    got = [[bool(eval(code, {}, {"q": CInt(i), "k": CInt(j)})) for j in keys.tolist()] for i in range(n)]
+    assert got == want.tolist(), text
+
+
+def test_generated_module_is_written_once_and_imports(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("LONGCTX_HOME", str(tmp_path))
+    pattern = parse_pattern("Rect(keys=0:32) + Diag(window=1024)")
+    fn = triton_visible(pattern)
+    files = list((tmp_path / "sas_kernels").glob("visible_*.py"))
+    assert len(files) == 1 and str(pattern) in files[0].read_text()
+    assert fn.fn.__name__ == "visible" and fn.arg_names == ["q", "k"]  # a triton.jit function (or interpreted)
+    assert triton_visible(pattern) is fn
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
+def test_decode_kernel_with_generated_mask_matches_reference(profile):
+    """The shipped patterns' static parts generated into the decode kernel, against the reference (which
+    evaluates Pattern.visible): rows in random order, empty rows, GQA, and a position past the rows."""
+    from kernels.decode_attention.triton import decode_attention_triton
+
+    static = split(parse_pattern(yaml.safe_load(profile.read_text())["pattern"])).static
+    mask = PositionMask(static.visible, triton_visible(static))
+    torch.manual_seed(42)
+    B, Hq, Hkv, S, D, n = 2, 8, 2, 1000, 64, 5000
+    q = torch.randn(B, Hq, D, device=DEVICE)
+    k, v = (torch.randn(B, Hkv, S, D, device=DEVICE) for _ in range(2))
+    key_pos = torch.stack([torch.randperm(n)[:S] for _ in range(B)])[:, None].to(DEVICE)
+    key_pos[:, :, ::7] = -1
+    q_pos = torch.tensor([n - 1, 4321], device=DEVICE)
+    length = torch.tensor([S, S - 37], device=DEVICE)
+    args = dict(scale=D**-0.5, key_pos=key_pos, q_pos=q_pos, position_mask=mask, return_lse=True)
+    want, want_lse = decode_attention_reference(q, k, v, length, **args)
+    got, got_lse = decode_attention_triton(q, k, v, length, **args)
+    assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse))
+    assert (got - want).abs().max().item() < 1e-4

@@ -8,8 +8,10 @@ Gemma-style sliding-window layers keep their own window exactly, as a Diag(windo
 - Prefill, per chunk: the chunk's K/V go to staging rows, its queries attend to [compacted cache | chunk] under
   the pattern (FlexAttention with a block mask built from the pattern on GPU, SDPA with the explicit mask on
   CPU and for chunks of fewer than 128 tokens), then the keys still needed move to their slots.
-- Decode: the new key goes to its slot, and the split-KV decode kernel reads the compacted cache with a
-  per-slot mask (the pattern at the slot's key position): no host sync, inside the CUDA graph.
+- Decode: the new key goes to its slot, and the split-KV decode kernel reads the compacted cache, masking each
+  row by the pattern at the row's key position. On GPU the pattern is generated into the kernel as a Triton
+  function (engines/sas/codegen.py, the paper's code generation): no mask kernel, no host sync, inside the
+  CUDA graph. H2O layers compute the mask once (their scores need it too) and pass it as flags.
 - Dynamic (H2O): attention probabilities (from the kernel's log-sum-exp) accumulate per key; keys the static
   part lets go of compete for the pool by accumulated score (top-k, on the device). In prefill the pool is
   updated once per chunk (not per token); `pool(w)` smooths a chunk's scores over neighbouring keys.
@@ -28,10 +30,11 @@ from engines.base import DocumentState, Engine, outside_engine_error
 from engines.cache import layer_types
 from engines.sas.analyzer import CachePlan, describe_index, plan_cache, split
 from engines.sas.cache import SasCache, SasLayer
+from engines.sas.codegen import triton_visible
 from engines.sas.flex import flex_prefill
 from engines.sas.parse import parse_pattern
 from engines.sas.pattern import Diag, Pattern
-from kernels.decode_attention import decode_attention, decode_backend
+from kernels.decode_attention import PositionMask, decode_attention, decode_backend
 
 # Below this many queries a chunk runs the SDPA path (FlexAttention's query tile is 128).
 _FLEX_MIN_QUERIES = 128
@@ -70,10 +73,16 @@ def visible(layer: SasLayer, q_pos: torch.Tensor, key_pos: torch.Tensor) -> torc
 
 
 @functools.cache
+def _position_mask(static: Pattern, triton: bool) -> PositionMask:
+    """A static layer's decode mask, evaluated inside the decode kernel (generated Triton on GPU)."""
+    return PositionMask(static.visible, triton_visible(static) if triton else None)
+
+
+@functools.cache
 def _slot_mask(static: Pattern, area: Pattern | None, cuda: bool):
-    """The decode step's mask over the rows. On GPU the pattern's dozen elementwise ops are compiled into one
-    kernel: eager they cost 15-50 us per layer and step (measured on an H100), more than the attention. Keyed
-    by the patterns (equal across documents), so a new document reuses the compiled kernel."""
+    """An H2O layer's decode mask over the rows. On GPU the pattern's dozen elementwise ops are compiled into
+    one kernel: eager they cost 15-50 us per layer and step (measured on an H100), more than the attention.
+    Keyed by the patterns (equal across documents), so a new document reuses the compiled kernel."""
     fn = functools.partial(_rows_visible, static, area)
     return torch.compile(fn, fullgraph=True, dynamic=False) if cuda else fn
 
@@ -158,24 +167,30 @@ def _decode(layer: SasLayer, query, key, value, scaling, cache: SasCache):
     """One token over the compacted cache: rows [0, staging] (the staging row may hold this very key)."""
     pos = cache.position_on(query.device)
     width = layer.staging + 1
-    heads = layer.key_pos if layer.dynamic is not None else layer.key_pos[:, :1]
-    mask = _slot_mask(*_parts(layer.plan), query.is_cuda)(pos.view(1, 1, 1), heads[:, :, :width],
+    if layer.dynamic is None:
+        triton = decode_backend(query.device).startswith("triton")
+        out = decode_attention(query[:, :, 0], key[:, :, :width], value[:, :, :width], layer.decode_rows,
+                               scale=scaling, key_pos=layer.key_pos[:, :1, :width],
+                               q_pos=pos.expand(query.shape[0]).contiguous(),
+                               position_mask=_position_mask(layer.plan.static, triton))
+        return out.unsqueeze(1)
+    # H2O: the mask is needed twice (attention, then the scores), so it is formed once as flags.
+    mask = _slot_mask(*_parts(layer.plan), query.is_cuda)(pos.view(1, 1, 1), layer.key_pos[:, :, :width],
                                                           layer.in_pool[:width])
-    if layer.dynamic is not None and layer.dynamic.refresh:
+    if layer.dynamic.refresh:
         mask = mask & _refresh_selection(layer, width)
     mask = mask.expand(key.shape[0], key.shape[1], width).contiguous()
     out, lse = decode_attention(query[:, :, 0], key[:, :, :width], value[:, :, :width], layer.decode_rows,
                                 scale=scaling, key_mask=mask, return_lse=True)
-    if layer.dynamic is not None:
-        B, Hq, D = out.shape
-        q = query[:, :, 0].float().view(B, key.shape[1], Hq // key.shape[1], 1, D)
-        s = torch.matmul(q, key[:, :, :width].float()[:, :, None].transpose(-1, -2))[..., 0, :] * scaling
-        p = torch.exp(s - lse.view(B, key.shape[1], -1, 1)).masked_fill(~mask[:, :, None], 0.0)
-        _gain(layer, _reduce_heads(p, layer.dynamic.reduce), 1)
-        if layer.enter_keys.numel():
-            idx = layer.enter_start[pos + 1] + torch.arange(layer.enter_width, device=pos.device)
-            ok = idx < layer.enter_start[pos + 2]
-            admit(layer, torch.where(ok, layer.enter_keys[idx.clamp(max=layer.enter_keys.numel() - 1)], -1), None)
+    B, Hq, D = out.shape
+    q = query[:, :, 0].float().view(B, key.shape[1], Hq // key.shape[1], 1, D)
+    s = torch.matmul(q, key[:, :, :width].float()[:, :, None].transpose(-1, -2))[..., 0, :] * scaling
+    p = torch.exp(s - lse.view(B, key.shape[1], -1, 1)).masked_fill(~mask[:, :, None], 0.0)
+    _gain(layer, _reduce_heads(p, layer.dynamic.reduce), 1)
+    if layer.enter_keys.numel():
+        idx = layer.enter_start[pos + 1] + torch.arange(layer.enter_width, device=pos.device)
+        ok = idx < layer.enter_start[pos + 2]
+        admit(layer, torch.where(ok, layer.enter_keys[idx.clamp(max=layer.enter_keys.numel() - 1)], -1), None)
     return out.unsqueeze(1)
 
 
@@ -264,7 +279,9 @@ class SasEngine(Engine):
     def backends(self) -> dict[str, str]:
         flex = "flex attention (pattern block mask)" if self.device.type == "cuda" else "sdpa reference (explicit mask)"
         return {"prefill_attention": f"{flex}; short chunks and H2O layers: sdpa/explicit softmax",
-                "decode_attention": f"{decode_backend(self.device)} over the compacted cache (per-slot mask)"}
+                "decode_attention": f"{decode_backend(self.device)} over the compacted cache, the pattern "
+                                    + ("generated into the kernel" if self.device.type == "cuda"
+                                       else "evaluated per row") + " (H2O layers: a per-row mask)"}
 
     def counters(self, state: DocumentState) -> dict:
         out = super().counters(state)

@@ -6,7 +6,22 @@ so it asks the host for `length.max()` and is not CUDA-graph safe; the Triton ke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import torch
+
+
+@dataclass(frozen=True)
+class PositionMask:
+    """Which keys a query sees, as a function of token positions (for caches whose rows are not in position
+    order, such as sas-pattern's compacted cache). torch: (q_pos, key_pos) int64 tensors, broadcasting ->
+    bool, the definition (it runs in the reference); triton: a @triton.jit function of the same two arguments
+    that the Triton kernel inlines into its key loop (a constexpr argument; None where Triton is absent).
+    Both must say False for key_pos -1 (an empty row)."""
+
+    torch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    triton: Any = None
 
 
 def decode_attention(
@@ -20,6 +35,9 @@ def decode_attention(
     return_lse: bool = False,
     q_first: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
+    key_pos: torch.Tensor | None = None,
+    q_pos: torch.Tensor | None = None,
+    position_mask: PositionMask | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the queries at positions length-T .. length-1 over keys [0, length).
 
@@ -32,6 +50,9 @@ def decode_attention(
     lse [B, Hq] or [B, Hq, T] fp32 (natural log of the sum of exp(scaled scores)), computed in fp32; a query
     that sees no key gets out 0 and lse -inf. key_mask: [B, Hkv, S] bool, keys a head may see at all
     (on top of the rules above; sas-pattern's compacted cache, whose slots are not in position order).
+    position_mask with key_pos [B, Hkv or 1, S] int64 (each row's token position, -1 for none) and q_pos [B]
+    int64 (the first query's token position; query t is at q_pos + t): on top of the rules above, query t sees
+    row j only where position_mask(q_pos + t, key_pos[j]) holds.
     """
     single = q.dim() == 3
     if single:
@@ -51,6 +72,9 @@ def decode_attention(
     mask = valid[:, None, None]  # [B, 1, 1, T, hi]: broadcasts over kv heads and the GQA group
     if key_mask is not None:
         mask = mask & key_mask[:, :, :hi][:, :, None, None, :]
+    if position_mask is not None:
+        q_at = (q_pos[:, None] + torch.arange(T, device=q.device))[:, None, :, None]  # [B, 1, T, 1]
+        mask = mask & position_mask.torch(q_at, key_pos[:, :, None, :hi])[:, :, None]
 
     qg = q.float().view(B, Hkv, Hq // Hkv, T, D)
     s = torch.matmul(qg, k[:, :, None].transpose(-1, -2)) * scale  # [B, Hkv, G, T, hi]

@@ -29,12 +29,12 @@ _MAX_ROWS = 64
 
 @triton.jit
 def _decode_attention_fwd_kernel(
-    Q, K, V, Length, QFirst, KeyMask, Out_part, Lse_part,
-    qk_scale, window, n_kv_heads, n_q_heads, num_splits, stride_ks_mask,
+    Q, K, V, Length, QFirst, KeyMask, KeyPos, QPos, Out_part, Lse_part,
+    qk_scale, window, n_kv_heads, n_q_heads, num_splits, stride_ks_mask, stride_kpb, stride_kph,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     N_QUERIES, GROUP: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_QFIRST: tl.constexpr, HAS_KEYMASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_POSITION_MASK: tl.constexpr, POSITION_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -68,6 +68,9 @@ def _decode_attention_fwd_kernel(
     q = tl.load(Q + b * stride_qb + q_heads[:, None] * stride_qh + q_tok[:, None] * stride_qt + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
     k_base = K + b * stride_kb + h * stride_kh
+    if HAS_POSITION_MASK:
+        # Each row's query token position, for the inlined mask function (sas-pattern's pattern).
+        q_at = tl.load(QPos + b).to(tl.int64) + q_tok
     v_base = V + b * stride_vb + h * stride_vh
 
     m_i = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
@@ -86,6 +89,9 @@ def _decode_attention_fwd_kernel(
             # [B, Hkv, S] flags: keys this head may see (sas-pattern's compacted cache).
             key_ok = tl.load(KeyMask + (b * n_kv_heads + h) * stride_ks_mask + offs, mask=valid, other=0)
             seen &= key_ok[None, :] != 0
+        if HAS_POSITION_MASK:
+            kp = tl.load(KeyPos + b * stride_kpb + h * stride_kph + offs, mask=valid, other=-1)
+            seen &= POSITION_MASK(q_at[:, None], kp[None, :])
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row may see no key of a tile (causal or window edge): keep exp2 away from (-inf) - (-inf).
@@ -114,6 +120,23 @@ def num_splits_for(batch: int, n_kv_heads: int, capacity: int, device: torch.dev
     """
     target = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), batch * n_kv_heads)
     return max(1, min(target, triton.cdiv(capacity, _BLOCK_N), _MAX_SPLITS))
+
+
+def _validate_positions(k_cache, key_pos, q_pos, position_mask) -> None:
+    B, Hkv, S = k_cache.shape[:3]
+    if position_mask is None:
+        if key_pos is not None or q_pos is not None:
+            raise ValueError("key_pos and q_pos are only read with a position_mask")
+        return
+    if position_mask.triton is None:
+        raise ValueError("expected a position_mask with a Triton function for the Triton kernel, got none")
+    if key_pos is None or key_pos.dim() != 3 or key_pos.shape[0] != B or key_pos.shape[1] not in (1, Hkv) \
+            or key_pos.shape[2] < S or key_pos.dtype != torch.int64:
+        raise ValueError(f"expected key_pos of shape [{B}, {Hkv} or 1, >= {S}] int64 with a position_mask, got "
+                         f"{None if key_pos is None else (tuple(key_pos.shape), key_pos.dtype)}")
+    if q_pos is None or q_pos.shape != (B,) or q_pos.dtype != torch.int64:
+        raise ValueError(f"expected q_pos of shape [{B}] int64 with a position_mask, got "
+                         f"{None if q_pos is None else (tuple(q_pos.shape), q_pos.dtype)}")
 
 
 def _validate(q, k_cache, v_cache, length, window, q_first, key_mask) -> None:
@@ -159,6 +182,9 @@ def decode_attention_triton(
     return_lse: bool = False,
     q_first: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
+    key_pos: torch.Tensor | None = None,
+    q_pos: torch.Tensor | None = None,
+    position_mask=None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as reference.decode_attention; CUDA tensors only, CUDA-graph capturable.
 
@@ -168,6 +194,10 @@ def decode_attention_triton(
     single = q.dim() == 3
     q4 = q.unsqueeze(2) if single else q
     _validate(q4, k_cache, v_cache, length, window, q_first, key_mask)
+    _validate_positions(k_cache, key_pos, q_pos, position_mask)
+    for name, t in (("key_pos", key_pos), ("q_pos", q_pos)):
+        if t is not None:
+            check_device(name, t, q.device)
     B, Hq, T, D = q4.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
@@ -179,13 +209,17 @@ def decode_attention_triton(
     with launch_context(q.device):
         _decode_attention_fwd_kernel[(B * Hkv, num_splits, triton.cdiv(group * T, rows_pad))](
             q4, k_cache, v_cache, length, length if q_first is None else q_first,
-            length if key_mask is None else key_mask.view(torch.uint8), out_part, lse_part,
+            length if key_mask is None else key_mask.view(torch.uint8),
+            length if key_pos is None else key_pos, length if q_pos is None else q_pos, out_part, lse_part,
             scale * _LOG2E, window or 0, Hkv, Hq, num_splits, S,
+            0 if key_pos is None else key_pos.stride(0),
+            0 if key_pos is None or key_pos.shape[1] == 1 else key_pos.stride(1),
             q4.stride(0), q4.stride(1), q4.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             T, GROUP=group, ROWS_PAD=rows_pad, HEAD_DIM=D,
             BLOCK_N=_BLOCK_N, HAS_WINDOW=window is not None, HAS_QFIRST=q_first is not None,
-            HAS_KEYMASK=key_mask is not None,
+            HAS_KEYMASK=key_mask is not None, HAS_POSITION_MASK=position_mask is not None,
+            POSITION_MASK=None if position_mask is None else position_mask.triton,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
         )
