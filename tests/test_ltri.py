@@ -47,6 +47,16 @@ def _nms_brute(intervals, scores, thr):
     return kept
 
 
+@pytest.mark.parametrize("n", [1, 2, 77, 128], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("q", [0.0, 0.5, 0.9, 0.97, 1.0])
+def test_quantile_threshold_equals_torch_quantile(n, q):
+    """The fixed-index (sync-free) quantile over the causal cells equals torch.quantile on those cells."""
+    torch.manual_seed(42)
+    maps = torch.rand(3, n, n)
+    cells = maps[:, torch.ones(n, n, dtype=torch.bool).tril()].double()
+    torch.testing.assert_close(sp.quantile_threshold(maps, q), torch.quantile(cells, q, dim=-1), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("thr", [0.01, 0.1, 0.5])
 def test_nms_equals_brute_force(seed, thr):
@@ -146,7 +156,7 @@ def test_retrieval_slots_keep_blocks_already_loaded():
 
     from engines.ltri.cache import LtriLayer
 
-    owner = SimpleNamespace(decoding=False, offset=0, filled=0)
+    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096)
     layer = LtriLayer(owner, n_init=4, n_retrieved=3 * 4, n_local=8, block=4, room=8, window=None, retrieve=True)
     layer.lazy_initialization(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3))
     for b in range(5):  # five evicted blocks, block b filled with the value b

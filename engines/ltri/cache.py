@@ -59,7 +59,10 @@ class LtriLayer(OwnedRowsLayer):
         self.rows_t = torch.full((batch,), self.rows, dtype=torch.long, device=self.device)  # decode reads all
         if self.retrieve:
             pin = self.device.type == "cuda"
-            self.memory = ContextMemory(heads, self.block, dim, self.dtype, pin)
+            # Sized for the whole document up front (the cache knows its length): a growing pinned slab would
+            # wait for the device and copy itself at every doubling.
+            blocks = max(1, -(-(self.owner.capacity - self.n_init) // self.block))
+            self.memory = ContextMemory(heads, self.block, dim, self.dtype, pin, blocks)
             self.index = IndexMemory(heads, dim, self.dtype, self.device)
         self.is_initialized = True
 

@@ -1,7 +1,7 @@
 """Where evicted tokens live: CPU context memory (K/V in blocks) and the device-side index memory.
 
-Context memory is host RAM, pinned when the model is on a GPU so block loads are plain async copies; it
-grows by doubling, one slab per layer. The index memory holds the span index vectors (keys of the chosen
+Context memory is host RAM, pinned when the model is on a GPU so block loads are plain async copies; one
+slab per layer, sized for the document (doubling if it ever runs out). The index memory holds the span index vectors (keys of the chosen
 tokens, every KV head) and the block each belongs to; it stays on the compute device, as in the paper, and is
 the only device-side state that grows with the document (a few percent of its keys).
 """
@@ -47,9 +47,10 @@ class _Growable:
 class ContextMemory:
     """Evicted blocks of one layer: keys/values [n_blocks, Hkv, block, D] in host memory."""
 
-    def __init__(self, heads: int, block: int, dim: int, dtype: torch.dtype, pin: bool):
-        self.keys = _Growable((heads, block, dim), dtype, torch.device("cpu"), pin)
-        self.values = _Growable((heads, block, dim), dtype, torch.device("cpu"), pin)
+    def __init__(self, heads: int, block: int, dim: int, dtype: torch.dtype, pin: bool, blocks: int = 16):
+        """blocks: the expected number of blocks (the slabs grow past it if needed)."""
+        self.keys = _Growable((heads, block, dim), dtype, torch.device("cpu"), pin, blocks)
+        self.values = _Growable((heads, block, dim), dtype, torch.device("cpu"), pin, blocks)
 
     @property
     def n_blocks(self) -> int:
