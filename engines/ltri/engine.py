@@ -181,7 +181,9 @@ class LtriEngine(Engine):
                                    f"{self.config.block_size}")
         self._reserve = reserve
         self.indexer.reset()
-        return super().prefill(ids, reserve=reserve, progress=progress)
+        state = super().prefill(ids, reserve=reserve, progress=progress)
+        self.indexer.flush(state.cache)  # the last chunk's blocks, so that the counters are complete
+        return state
 
     def _encode_question(self, state, question_ids, n_new):
         logits = super()._encode_question(state, question_ids, n_new)

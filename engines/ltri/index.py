@@ -2,6 +2,7 @@
 
 One Indexer per engine; its per-document state (lam calibration samples, counters) is reset by prefill.
 Span scoring runs on the maps' device (engines/ltri/spans.py); the host does the NMS and picks index vectors.
+Stored-side span division is queued per layer and run once per chunk for all layers (`flush`).
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ class Indexer:
         return w
 
     def note_spans(self, layer: LtriLayer, layer_idx: int, own: torch.Tensor, start: int, cache: LtriCache) -> None:
-        """Span division of every block completed inside the chunk. own: [n, n] the chunk's map over its
-        window tokens at positions start..start+n-1."""
+        """Queues for span division every block completed inside the chunk. own: [n, n] the chunk's map over
+        its window tokens at positions start..start+n-1. The division runs in `flush`, batched over every
+        layer of the chunk: a block's spans are only needed when it leaves the window, chunks later."""
         if self.cfg.index != "dynamic":
             return
         b = layer.block
@@ -65,10 +67,21 @@ class Indexer:
             return
         lo = layer.n_init + first * b - start
         blocks = torch.stack([own[lo + k * b:lo + (k + 1) * b, lo + k * b:lo + (k + 1) * b] for k in range(count)])
-        for k, found in enumerate(sp.divide_many(blocks, self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode)):
-            layer.pending[first + k] = found
-            self._record(layer_idx, found)
-            cache.stats["spans"] += len(found)
+        cache.span_queue.append((layer, layer_idx, first, blocks))
+
+    def flush(self, cache: LtriCache) -> None:
+        """Divides every queued block map into spans (one batched call, one device -> host copy)."""
+        if not cache.span_queue:
+            return
+        queue, cache.span_queue = cache.span_queue, []
+        found_all = iter(sp.divide_many(torch.cat([maps for *_, maps in queue]), self.cfg.threshold, self.cfg.iou,
+                                        self.cfg.ratio_mode))
+        for layer, layer_idx, first, maps in queue:
+            for k in range(maps.shape[0]):
+                found = next(found_all)
+                layer.pending[first + k] = found
+                self._record(layer_idx, found)
+                cache.stats["spans"] += len(found)
 
     def _pick(self, layer: LtriLayer, layer_idx: int, block_id: int, votes: torch.Tensor) -> list[int]:
         """Rows (within the block) whose keys become the block's index vectors."""
@@ -83,6 +96,8 @@ class Indexer:
         if n <= 0:
             return
         first = layer.first_full_block()
+        if any(q[0] is layer and q[2] < first + n for q in cache.span_queue):
+            self.flush(cache)  # a chunk longer than the window evicts blocks it completed itself
         keys, values, votes = layer.take_oldest(n * layer.block)
         layer.memory.add(keys, values)
         cache.stats["device_to_host_bytes"] += keys.nbytes + values.nbytes
