@@ -1,6 +1,7 @@
 """`longctx bench`: speed of a profile's engine next to a baseline, on the same synthetic contexts.
 
-Per engine and length: prefill seconds (after a warm-up prefill that absorbs compilation), decode ms/token
+Per engine and length: prefill seconds (after a warm-up prefill that absorbs compilation; `--warmup` can make
+it shorter), decode ms/token
 (the mean over `steps` steps after warm-up steps that absorb graph capture: a mean, so that periodic work such
 as resa's rectification is amortised; median and deciles too), peak memory, and on GPU the decode
 memory roofline = (weight bytes + KV bytes read per step) / measured copy bandwidth. Accuracy tasks plug in
@@ -82,7 +83,7 @@ def measure(engine, ids: torch.Tensor, steps: int) -> dict:
 
 
 def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int, json_path: str | None,
-              argv: list[str], tasks: list[str] | None = None, samples: int = 10, seed: int = 0,
+              argv: list[str], warmup_tokens: int | None = None, tasks: list[str] | None = None, samples: int = 10, seed: int = 0,
               depths: list[float] | None = None, plot_path: str | None = None, layout: str = "auto") -> dict:
     lm = load_model(model, device=profile.run.device, dtype=profile.run.dtype,
                     progress=lambda m: err.print(f"[dim]{m}...[/]"))
@@ -117,8 +118,11 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
     for length in [parse_count(x) for x in lengths.split(",")]:
         ids = torch.randint(min(1000, vocab // 2), vocab, (length,), generator=gen)
         for prof, engine in engines:
-            # An identical warm-up run absorbs kernel compilation (per shape) and graph capture.
-            measure(engine, ids, steps)
+            # An identical warm-up run absorbs kernel compilation (per shape) and graph capture; --warmup N runs
+            # it on the first N tokens instead (0: none).
+            warm = ids if warmup_tokens is None else ids[:warmup_tokens]
+            if warm.numel():
+                measure(engine, warm, steps)
             err.print(f"[dim]{prof.name}: {length:,} tokens...[/]")
             ranks = getattr(engine, "world", 1)
             row = {"engine": prof.engine, "profile": prof.name, "context_tokens": length, "ranks": ranks,
@@ -131,7 +135,8 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
             rows.append(row)
     result = {"command": distributed.command(argv), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
               "model": model or "gemma3-270m", "random_weights": lm.random_weights, "environment": environment(),
-              "engine_settings": settings, "hbm_bytes_per_s": bandwidth, "decode_steps": steps, "rows": rows}
+              "engine_settings": settings, "hbm_bytes_per_s": bandwidth, "decode_steps": steps,
+              "warmup_tokens": "same" if warmup_tokens is None else warmup_tokens, "rows": rows}
     if lm.random_weights:
         result["note"] = RANDOM_NOTE
     if lead:

@@ -136,6 +136,11 @@ def bench(
     compare: Annotated[Optional[str], typer.Option(help="Baseline profile run on the same inputs ('none' to skip).")]
     = "dense",
     steps: Annotated[int, typer.Option(help="Decode steps timed per length (after warm-up).")] = 32,
+    warmup: Annotated[str, typer.Option(
+        help="Speed mode: tokens of the warm-up run before each measured one: 'same' (the whole context), a count "
+             "such as 16k (its first tokens: enough for engines whose shapes do not grow with the document, e.g. "
+             "ltri-stream at 1M; an engine that compiles per length then compiles inside the measured run), "
+             "or 0 (none).")] = "same",
     sets: SetOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -173,12 +178,17 @@ def bench(
         depth_list = [float(d) for d in depths.split(",")] if depths else None
     except ValueError:
         raise ConfigError(f"--depths takes numbers between 0 and 1, comma-separated, not {depths!r}") from None
+    from longctx_cli.plan import parse_count
+
+    warmup_tokens = None if warmup == "same" else parse_count(warmup)
+    if warmup_tokens is not None and warmup_tokens < 0:
+        raise ConfigError(f"--warmup takes 'same' or a token count such as 16k, not {warmup!r}")
     prof = _profile(profile, sets, device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
     _ranks(prof, gpus, model)
     base = None if compare in (None, "none", "") or compare == profile else _profile(
         compare, sets, only_known=True, device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
-    run_bench(prof, base, model=model, lengths=lengths, steps=steps, json_path=json_out, argv=sys.argv,
-              tasks=task_list, samples=samples, seed=seed, depths=depth_list, plot_path=plot, layout=layout)
+    run_bench(prof, base, model=model, lengths=lengths, steps=steps, warmup_tokens=warmup_tokens, json_path=json_out,
+              argv=sys.argv, tasks=task_list, samples=samples, seed=seed, depths=depth_list, plot_path=plot, layout=layout)
     distributed.finish()
 
 

@@ -227,6 +227,18 @@ def test_bench_json(cli, tmp_path):
     assert row["prefill_s"] > 0 and row["decode_ms_per_token"] > 0 and row["peak_gib"] > 0
 
 
+def test_bench_short_warmup(cli, tmp_path):
+    """--warmup N warms up on the context's first N tokens (streaming engines at 1M); the file says so."""
+    result = tmp_path / "bench.json"
+    code, out, err = cli("bench", "--lengths", "256", "--steps", "2", "--compare", "none", "--warmup", "64",
+                         "--json", result)
+    assert code == 0, err
+    data = json.loads(result.read_text())
+    assert data["warmup_tokens"] == 64 and data["rows"][0]["context_tokens"] == 256
+    code, out, err = cli("bench", "--lengths", "256", "--warmup", "-5")
+    assert code == 4 and "--warmup takes" in _error_line(err)
+
+
 # --- bad input: exit 3 -------------------------------------------------------------------------------------------
 
 

@@ -186,9 +186,10 @@ def test_window_covering_the_document_equals_dense(lm, story_text):
 SMALL = dict(n_init=64, block_size=64, top_k=4, n_local=256, chunk_size=128)  # device budget 704 tokens
 
 
-def test_needle_in_a_document_four_times_the_budget(lm):
+@pytest.mark.parametrize("context_memory", ["model", "fp8"])
+def test_needle_in_a_document_four_times_the_budget(lm, context_memory):
     """2.8K tokens through 704 device rows per layer: the needle is answered from retrieved blocks, the
-    device never holds more than the budget, and every evicted token is in CPU memory."""
+    device never holds more than the budget, and every evicted token is in CPU memory (also in fp8)."""
     from longctx_cli.tasks import generate, prompt_tail
 
     tok = lm.tokenizer
@@ -198,7 +199,7 @@ def test_needle_in_a_document_four_times_the_budget(lm):
     question = torch.tensor(tok(tail, add_special_tokens=False)["input_ids"])
     budget = SMALL["n_init"] + SMALL["top_k"] * SMALL["block_size"] + SMALL["n_local"] + SMALL["chunk_size"]
     assert doc.numel() >= 4 * budget
-    engine = make_engine(lm, "ltri-stream", **SMALL)
+    engine = make_engine(lm, "ltri-stream", context_memory=context_memory, **SMALL)
     answer, state = greedy_answer(engine, doc, question, 12)
     assert sample.expected[0] in tok.decode(answer)
     counters = engine.counters(state)
@@ -216,6 +217,30 @@ def test_needle_in_a_document_four_times_the_budget(lm):
             assert layer.keys.shape[2] == layer.rows  # the device buffers never grew
         else:
             assert layer.local_len <= layer.window
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
+def test_context_memory_round_trip(fp8):
+    """Blocks come back exactly in the model's dtype; in fp8 within e4m3's precision of each (block, head)'s
+    largest value, and at half the bytes."""
+    from engines.ltri.memory import ContextMemory
+
+    torch.manual_seed(42)
+    keys = torch.randn(2, 3 * 16, 8) * torch.tensor([1.0, 30.0])[:, None, None]  # heads of different scales
+    values = torch.randn(2, 3 * 16, 8)
+    mem = ContextMemory(2, 16, 8, torch.float32, False, 1, fp8)
+    mem.add(keys, values)
+    assert mem.n_blocks == 3
+    k, v = torch.empty(2, 16, 8), torch.empty(2, 16, 8)
+    moved = mem.load(1, k, v)
+    want_k, want_v = keys[:, 16:32], values[:, 16:32]
+    if not fp8:
+        assert torch.equal(k, want_k) and torch.equal(v, want_v) and moved == 2 * k.nbytes
+        return
+    for got, want in ((k, want_k), (v, want_v)):
+        amax = want.abs().amax(dim=(1, 2), keepdim=True)
+        assert ((got - want).abs() <= amax / 16).all()  # 3 mantissa bits: half a step is 1/16 relative
+    assert moved == 2 * k.numel() + 2 * 2 * 4  # one byte per element plus the K and V scales per head
 
 
 def test_retrieval_heads_found_on_the_embedded_model(lm):

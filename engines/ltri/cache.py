@@ -25,9 +25,10 @@ from engines.ltri.memory import ContextMemory, IndexMemory
 class LtriLayer(OwnedRowsLayer):
 
     def __init__(self, owner: "LtriCache", *, n_init: int, n_retrieved: int, n_local: int, block: int,
-                 room: int, window: int | None, retrieve: bool):
+                 room: int, window: int | None, retrieve: bool, fp8_memory: bool = False):
         super().__init__()
         self.owner, self.block, self.window, self.retrieve = owner, block, window, retrieve
+        self.fp8_memory = fp8_memory
         self.is_sliding = window is not None
         self.n_init, self.n_retrieved, self.n_local = n_init, n_retrieved, n_local
         self.local0 = n_init + n_retrieved
@@ -62,7 +63,7 @@ class LtriLayer(OwnedRowsLayer):
             # Sized for the whole document up front (the cache knows its length): a growing pinned slab would
             # wait for the device and copy itself at every doubling.
             blocks = max(1, -(-(self.owner.capacity - self.n_init) // self.block))
-            self.memory = ContextMemory(heads, self.block, dim, self.dtype, pin, blocks)
+            self.memory = ContextMemory(heads, self.block, dim, self.dtype, pin, blocks, self.fp8_memory)
             self.index = IndexMemory(heads, dim, self.dtype, self.device)
         self.is_initialized = True
 
@@ -138,12 +139,10 @@ class LtriLayer(OwnedRowsLayer):
         copied = 0
         for s, b in zip(free, missing):
             rows = slice(self.n_init + s * self.block, self.n_init + (s + 1) * self.block)
-            self.keys[0, :, rows].copy_(self.memory.keys.data[b], non_blocking=True)
-            self.values[0, :, rows].copy_(self.memory.values.data[b], non_blocking=True)
+            copied += self.memory.load(b, self.keys[0, :, rows], self.values[0, :, rows])
             start = self.n_init + b * self.block
             self.key_pos[rows] = torch.arange(start, start + self.block, device=self.device)
             self.slots[s] = b
-            copied += 2 * self.memory.keys.data[b].nbytes
         for s in free[len(missing):]:
             self.key_pos[self.n_init + s * self.block:self.n_init + (s + 1) * self.block] = -1
             self.slots[s] = -1
@@ -161,7 +160,7 @@ def layer_specs(model_config, cfg, room: int) -> list[dict]:
     retrieval slots, a window of cfg.n_local); the model's sliding-window layers keep only their window."""
     window = getattr(model_config.get_text_config(decoder=True), "sliding_window", None)
     full = dict(n_init=cfg.n_init, n_retrieved=cfg.top_k * cfg.block_size, n_local=cfg.n_local, window=None,
-                retrieve=True)
+                retrieve=True, fp8_memory=cfg.context_memory == "fp8")
     sliding = dict(n_init=0, n_retrieved=0, n_local=window, window=window, retrieve=False)
     return [dict(sliding if t == "sliding_attention" else full, block=cfg.block_size, room=room)
             for t in layer_types(model_config)]

@@ -63,6 +63,9 @@ class LtriConfig:
     compression: float | None = None  # target tokens per index vector: calibrate lam per layer (3.3.2)
     retrieval_heads: str = "auto"  # auto: identified once per model (Wu et al.) and cached; none: all heads
     voting: bool = True  # collaborative voting across retrieval-head layers
+    # CPU context memory format: "model" (the model's dtype) or "fp8" (e4m3 with a scale per block and KV head:
+    # half the host memory, for documents whose K/V outgrow the host, e.g. 1M tokens of an 8B model).
+    context_memory: str = "model"
 
     def __post_init__(self):
         for name in ("n_init", "n_local", "block_size", "top_k", "repr_topk", "min_vectors", "max_vectors"):
@@ -73,6 +76,7 @@ class LtriConfig:
             ("index", self.index in ("dynamic", "static"), "dynamic or static"),
             ("ratio_mode", self.ratio_mode in ("row", "col", "rowcol"), "row, col or rowcol"),
             ("retrieval_heads", self.retrieval_heads in ("auto", "none"), "auto or none"),
+            ("context_memory", self.context_memory in ("model", "fp8"), "model or fp8"),
             ("threshold", 0.0 < self.threshold < 1.0, "a quantile in (0, 1)"),
             ("iou", 0.0 < self.iou < 1.0, "a number in (0, 1)"),
             ("lam", self.lam > 0, "a number > 0"),
