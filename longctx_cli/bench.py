@@ -10,6 +10,7 @@ here later as rows with `task`, `length`, `score`, `dense_score`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import gc
@@ -23,8 +24,10 @@ from rich.console import Console
 from rich.table import Table
 
 from engines import ENGINES
+from engines.base import EngineInputError
 from engines.decoding import Sampler
 from longctx_cli import distributed
+from longctx_cli.errors import ConfigError
 from longctx_cli.models import load_model
 from longctx_cli.plan import parse_count
 from longctx_cli.report import RANDOM_NOTE, environment, memory_snapshot, reset_peaks
@@ -82,6 +85,16 @@ def measure(engine, ids: torch.Tensor, steps: int) -> dict:
     return row
 
 
+@contextlib.contextmanager
+def _engine_input_errors():
+    """A document an engine's settings cannot take (too many ranks for its blocks, more context memory than
+    the host has, ...) is the user's to fix: one line, exit 4, as in `ask`."""
+    try:
+        yield
+    except EngineInputError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int, json_path: str | None,
               argv: list[str], warmup_tokens: int | None = None, tasks: list[str] | None = None, samples: int = 10, seed: int = 0,
               depths: list[float] | None = None, plot_path: str | None = None, layout: str = "auto") -> dict:
@@ -98,9 +111,11 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
     if tasks:
         from longctx_cli import accuracy
 
-        result = accuracy.run_accuracy(engines, lm.tokenizer, tasks=tasks, lengths=[parse_count(x) for x in
-                                       lengths.split(",")], samples=samples, seed=seed, depths=depths,
-                                       max_new_tokens=profile.run.max_new_tokens, layout=layout, stop=profile.run.stop)
+        with _engine_input_errors():
+            result = accuracy.run_accuracy(engines, lm.tokenizer, tasks=tasks, lengths=[parse_count(x) for x in
+                                           lengths.split(",")], samples=samples, seed=seed, depths=depths,
+                                           max_new_tokens=profile.run.max_new_tokens, layout=layout,
+                                           stop=profile.run.stop)
         result = {"command": distributed.command(argv), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
                   "model": model or "gemma3-270m", "random_weights": lm.random_weights,
                   "environment": environment(), "mode": "accuracy", "engine_settings": settings, **result}
@@ -121,12 +136,12 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
             # An identical warm-up run absorbs kernel compilation (per shape) and graph capture; --warmup N runs
             # it on the first N tokens instead (0: none).
             warm = ids if warmup_tokens is None else ids[:warmup_tokens]
-            if warm.numel():
-                measure(engine, warm, steps)
-            err.print(f"[dim]{prof.name}: {length:,} tokens...[/]")
-            ranks = getattr(engine, "world", 1)
-            row = {"engine": prof.engine, "profile": prof.name, "context_tokens": length, "ranks": ranks,
-                   **measure(engine, ids, steps)}
+            with _engine_input_errors():
+                if warm.numel():
+                    measure(engine, warm, steps)
+                err.print(f"[dim]{prof.name}: {length:,} tokens...[/]")
+                row = {"engine": prof.engine, "profile": prof.name, "context_tokens": length,
+                       "ranks": getattr(engine, "world", 1), **measure(engine, ids, steps)}
             if bandwidth:
                 dtype_bytes = next(lm.model.parameters()).element_size()
                 read = _weight_bytes(lm.model) + engine.kv_read_bytes(lm.model.config, length, dtype_bytes)

@@ -229,8 +229,8 @@ def test_context_memory_round_trip(fp8):
     keys = torch.randn(2, 3 * 16, 8) * torch.tensor([1.0, 30.0])[:, None, None]  # heads of different scales
     values = torch.randn(2, 3 * 16, 8)
     mem = ContextMemory(2, 16, 8, torch.float32, False, 1, fp8)
-    mem.add(keys, values)
-    assert mem.n_blocks == 3
+    sent = mem.add(keys, values)
+    assert mem.n_blocks == 3 and sent == 3 * (2 * keys.numel() // 3 * (1 if fp8 else 4) + (16 if fp8 else 0))
     k, v = torch.empty(2, 16, 8), torch.empty(2, 16, 8)
     moved = mem.load(1, k, v)
     want_k, want_v = keys[:, 16:32], values[:, 16:32]
@@ -294,3 +294,28 @@ def test_gpu_graph_decode_equals_cpu_reference():
     got, state = greedy_answer(engine, doc, question, 12)
     assert engine.counters(state)["decode_cuda_graph"] is True
     assert got == want
+
+
+@pytest.mark.parametrize("context_memory, advice", [("model", "--set context_memory=fp8"), ("fp8", "a shorter")])
+def test_context_memory_larger_than_the_host_is_refused(context_memory, advice, capsys, monkeypatch, tmp_path):
+    """Context memory is sized for the whole document up front: a host without room refuses with numbers."""
+    import engines.ltri.engine as ltri_engine
+
+    class Tiny:
+        available = 1 << 10  # 1 KiB
+
+    monkeypatch.setattr(ltri_engine.psutil, "virtual_memory", lambda: Tiny)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A short document. " * 20)
+    for command in (["ask", str(doc), "Why?"], ["bench", "--lengths", "512", "--compare", "none"]):
+        code, out, err = run_cli([*command, "--profile", "ltri-stream", "--set", f"context_memory={context_memory}"],
+                                 capsys, monkeypatch)
+        assert code == 4 and out == "", err
+        line = err.strip().splitlines()[-1]
+        assert "GiB of pinned CPU context memory" in line and "0.0 GiB available" in line and advice in line
+    cfg = ltri_engine.LtriConfig(context_memory=context_memory)
+    from longctx_cli.models import load_config
+    config = load_config("random:llama-3.1-8b")
+    # 1M tokens of the 8B shape: 128 GiB in bf16, half that (plus scales) in fp8.
+    got = ltri_engine.context_memory_bytes(config, cfg, 1 << 20, 2) / 2**30
+    assert (got == pytest.approx(128.0, rel=1e-3)) if context_memory == "model" else (64.0 < got < 64.1)

@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 import torch.nn.functional as F
 
@@ -138,6 +139,18 @@ def _decode(layer: LtriLayer, query, key, value, scaling, cache: LtriCache):
     return out.unsqueeze(1)
 
 
+def context_memory_bytes(model_config, cfg: LtriConfig, n_tokens: int, dtype_bytes: int) -> int:
+    """Host bytes of the context memory for a document of n_tokens: K and V of every block past the init
+    tokens, on every full-attention layer (fp8: one byte per element plus a K and a V scale per block and head)."""
+    per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
+    full = sum(t != "sliding_attention" for t in layer_types(model_config))
+    blocks = max(1, -(-(n_tokens - cfg.n_init) // cfg.block_size))
+    if cfg.context_memory != "fp8":
+        return full * blocks * cfg.block_size * per_token_layer
+    heads = model_config.get_text_config(decoder=True).num_key_value_heads
+    return full * blocks * (cfg.block_size * per_token_layer // dtype_bytes + 2 * heads * 4)
+
+
 class LtriEngine(Engine):
     name = "ltri-stream"
     Config = LtriConfig
@@ -184,10 +197,23 @@ class LtriEngine(Engine):
             raise EngineInputError(f"chunk_size {self.run.chunk_size} is not a multiple of block_size "
                                    f"{self.config.block_size}")
         self._reserve = reserve
+        self._check_host_memory(ids.numel() + reserve)
         self.indexer.reset()
         state = super().prefill(ids, reserve=reserve, progress=progress)
         self.indexer.flush(state.cache)  # the last chunk's blocks, so that the counters are complete
         return state
+
+    def _check_host_memory(self, n_tokens: int) -> None:
+        """Context memory is pinned for the whole document up front: refuse early, with numbers and the
+        remedy, rather than fail inside the allocator (pinned memory cannot be swapped)."""
+        need = context_memory_bytes(self.model.config, self.config, n_tokens,
+                                    next(self.model.parameters()).element_size())
+        free = psutil.virtual_memory().available
+        if need > 0.9 * free:
+            hint = "" if self.config.context_memory == "fp8" else "--set context_memory=fp8 (half), "
+            raise EngineInputError(f"ltri-stream needs {need / 2**30:.1f} GiB of pinned CPU context memory for "
+                                   f"{n_tokens:,} tokens, and the host has {free / 2**30:.1f} GiB available; use "
+                                   f"{hint}a shorter document or a host with more memory")
 
     def _encode_question(self, state, question_ids, n_new):
         logits = super()._encode_question(state, question_ids, n_new)
@@ -216,8 +242,8 @@ class LtriEngine(Engine):
         per_token_layer = Engine.memory_plan(model_config, 1, 2) // len(layer_types(model_config))
         return [f"ltri-stream device window per full layer: {cfg.n_init} init + {cfg.top_k} x {cfg.block_size} "
                 f"retrieved + {cfg.n_local} local tokens + the chunk ({full} full layers)",
-                f"ltri-stream CPU context memory: up to {full * n_tokens * per_token_layer / 2**30:.2f} GiB "
-                f"(bf16) for {n_tokens:,} tokens"]
+                f"ltri-stream CPU context memory: {context_memory_bytes(model_config, cfg, n_tokens, 2) / 2**30:.2f} "
+                f"GiB ({'fp8' if cfg.context_memory == 'fp8' else 'bf16'}) for {n_tokens:,} tokens"]
 
     def kv_read_bytes(self, model_config, n_tokens: int, dtype_bytes: int) -> int:
         """A decode step reads every layer's rows (masked ones included): room for a chunk and the answer."""

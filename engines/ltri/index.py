@@ -99,8 +99,7 @@ class Indexer:
         if any(q[0] is layer and q[2] < first + n for q in cache.span_queue):
             self.flush(cache)  # a chunk longer than the window evicts blocks it completed itself
         keys, values, votes = layer.take_oldest(n * layer.block)
-        layer.memory.add(keys, values)
-        cache.stats["device_to_host_bytes"] += keys.nbytes + values.nbytes
+        cache.stats["device_to_host_bytes"] += layer.memory.add(keys, values)
         votes = votes.cpu()
         rows, blocks = [], []
         for i in range(n):

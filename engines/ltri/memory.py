@@ -68,8 +68,9 @@ class ContextMemory:
     def n_blocks(self) -> int:
         return self.keys.n
 
-    def add(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys/values: [Hkv, n * block, D] on the device, n whole blocks in position order."""
+    def add(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """keys/values: [Hkv, n * block, D] on the device, n whole blocks in position order. Returns the bytes
+        copied to the host."""
         heads, _, dim = keys.shape
         block = self.keys.shape[1]
         k = keys.view(heads, -1, block, dim).transpose(0, 1)
@@ -83,6 +84,7 @@ class ContextMemory:
             self.scales.append(scale)
         self.keys.append(k)
         self.values.append(v)
+        return k.numel() * k.element_size() * 2 + (k.shape[0] * 2 * heads * 4 if self.fp8 else 0)
 
     def load(self, block_id: int, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Copies block `block_id` into keys/values [Hkv, block, D] (device rows); returns the bytes moved."""
