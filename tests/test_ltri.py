@@ -312,7 +312,7 @@ def test_context_memory_larger_than_the_host_is_refused(context_memory, advice, 
                                  capsys, monkeypatch)
         assert code == 4 and out == "", err
         line = err.strip().splitlines()[-1]
-        assert "GiB of pinned CPU context memory" in line and "0.0 GiB available" in line and advice in line
+        assert "GiB of CPU context memory" in line and "0.0 GiB available" in line and advice in line
     cfg = ltri_engine.LtriConfig(context_memory=context_memory)
     from longctx_cli.models import load_config
     config = load_config("random:llama-3.1-8b")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from engines.cache import OwnedRowsLayer, StaticKVCache, layer_types
-from engines.ltri.memory import ContextMemory, IndexMemory
+from engines.ltri.memory import ContextMemory, IndexMemory, context_blocks
 
 
 class LtriLayer(OwnedRowsLayer):
@@ -62,7 +62,7 @@ class LtriLayer(OwnedRowsLayer):
             pin = self.device.type == "cuda"
             # Sized for the whole document up front (the cache knows its length): a growing pinned slab would
             # wait for the device and copy itself at every doubling.
-            blocks = max(1, -(-(self.owner.capacity - self.n_init) // self.block))
+            blocks = context_blocks(self.owner.capacity, self.n_init, self.block)
             self.memory = ContextMemory(heads, self.block, dim, self.dtype, pin, blocks, self.fp8_memory)
             self.index = IndexMemory(heads, dim, self.dtype, self.device)
         self.is_initialized = True

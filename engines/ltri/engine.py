@@ -24,9 +24,7 @@ exact, holding only their window.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 import torch
@@ -37,7 +35,9 @@ from engines.cache import layer_types
 from engines.ltri.cache import LtriCache, LtriLayer, layer_specs
 from engines.ltri.heads import cached_heads
 from engines.ltri.index import Indexer
+from engines.ltri.memory import context_blocks
 from kernels.decode_attention import decode_attention, decode_backend
+from longctx_cli.models import longctx_home
 
 _QUERY_SLICE = 256  # queries per slice of the explicit softmax
 
@@ -144,7 +144,7 @@ def context_memory_bytes(model_config, cfg: LtriConfig, n_tokens: int, dtype_byt
     tokens, on every full-attention layer (fp8: one byte per element plus a K and a V scale per block and head)."""
     per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
     full = sum(t != "sliding_attention" for t in layer_types(model_config))
-    blocks = max(1, -(-(n_tokens - cfg.n_init) // cfg.block_size))
+    blocks = context_blocks(n_tokens, cfg.n_init, cfg.block_size)
     if cfg.context_memory != "fp8":
         return full * blocks * cfg.block_size * per_token_layer
     heads = model_config.get_text_config(decoder=True).num_key_value_heads
@@ -160,8 +160,7 @@ class LtriEngine(Engine):
         heads = {}
         if config.retrieval_heads == "auto" and not lm.random_weights:
             full = [i for i, t in enumerate(layer_types(self.model.config)) if t != "sliding_attention"]
-            home = Path(os.environ.get("LONGCTX_HOME", Path.home() / ".cache" / "longctx"))
-            heads = cached_heads(self.model, lm.tokenizer, lm.name, full, home)
+            heads = cached_heads(self.model, lm.tokenizer, lm.name, full, longctx_home())
             self.activate()
         self.indexer = Indexer(config, self.text_config, heads)
 
@@ -204,14 +203,14 @@ class LtriEngine(Engine):
         return state
 
     def _check_host_memory(self, n_tokens: int) -> None:
-        """Context memory is pinned for the whole document up front: refuse early, with numbers and the
-        remedy, rather than fail inside the allocator (pinned memory cannot be swapped)."""
+        """Context memory is allocated for the whole document up front (pinned on GPU machines, so it cannot be
+        swapped): refuse early, with numbers and the remedy, rather than fail inside the allocator."""
         need = context_memory_bytes(self.model.config, self.config, n_tokens,
                                     next(self.model.parameters()).element_size())
         free = psutil.virtual_memory().available
         if need > 0.9 * free:
             hint = "" if self.config.context_memory == "fp8" else "--set context_memory=fp8 (half), "
-            raise EngineInputError(f"ltri-stream needs {need / 2**30:.1f} GiB of pinned CPU context memory for "
+            raise EngineInputError(f"ltri-stream needs {need / 2**30:.1f} GiB of CPU context memory for "
                                    f"{n_tokens:,} tokens, and the host has {free / 2**30:.1f} GiB available; use "
                                    f"{hint}a shorter document or a host with more memory")
 
@@ -239,7 +238,6 @@ class LtriEngine(Engine):
     def plan_notes(cls, model_config, n_tokens: int, engine_config=None) -> list[str]:
         cfg = engine_config or LtriConfig()
         full = sum(t != "sliding_attention" for t in layer_types(model_config))
-        per_token_layer = Engine.memory_plan(model_config, 1, 2) // len(layer_types(model_config))
         return [f"ltri-stream device window per full layer: {cfg.n_init} init + {cfg.top_k} x {cfg.block_size} "
                 f"retrieved + {cfg.n_local} local tokens + the chunk ({full} full layers)",
                 f"ltri-stream CPU context memory: {context_memory_bytes(model_config, cfg, n_tokens, 2) / 2**30:.2f} "

@@ -1,9 +1,10 @@
 """Where evicted tokens live: CPU context memory (K/V in blocks) and the device-side index memory.
 
 Context memory is host RAM, pinned when the model is on a GPU so block loads are plain async copies; one
-slab per layer, sized for the document (doubling if it ever runs out). The index memory holds the span index vectors (keys of the chosen
-tokens, every KV head) and the block each belongs to; it stays on the compute device, as in the paper, and is
-the only device-side state that grows with the document (a few percent of its keys).
+slab per layer, sized for the document (doubling if it ever runs out). The index memory holds the span index
+vectors (keys of the chosen tokens, every KV head) and the block each belongs to; it stays on the compute
+device, as in the paper, and is the only device-side state that grows with the document (a few percent of
+its keys).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class _Growable:
         return self.data.nbytes
 
 
+def context_blocks(n_tokens: int, n_init: int, block: int) -> int:
+    """Blocks of context memory a document of n_tokens can fill (the tokens past the init ones)."""
+    return max(1, -(-(n_tokens - n_init) // block))
+
+
 class ContextMemory:
     """Evicted blocks of one layer: keys/values [n_blocks, Hkv, block, D] in host memory.
 
@@ -56,7 +62,7 @@ class ContextMemory:
     def __init__(self, heads: int, block: int, dim: int, dtype: torch.dtype, pin: bool, blocks: int = 16,
                  fp8: bool = False):
         """blocks: the expected number of blocks (the slabs grow past it if needed)."""
-        self.dtype, self.fp8 = dtype, fp8
+        self.fp8 = fp8
         store = torch.float8_e4m3fn if fp8 else dtype
         cpu = torch.device("cpu")
         self.keys = _Growable((heads, block, dim), store, cpu, pin, blocks)
