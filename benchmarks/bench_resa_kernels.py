@@ -46,21 +46,21 @@ def bench(shape: str, length: int, rule: KeepRule) -> dict:
     n = torch.tensor([length], device="cuda")
     update_block_descriptors(k, kmax, kmin, n, length, BLOCK)
     width = rule.keep(n_blocks)
-    blocks = select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width)
+    scale = D**-0.5
+    blocks = select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale)
     q_rect = torch.randn(1, Hq, RECTIFY, D, **opts)
     pos = torch.arange(length, device="cuda")
     rect_mask = pos[None, :] <= (length - RECTIFY + torch.arange(RECTIFY, device="cuda"))[:, None]
-    scale = D**-0.5
 
     def estimation():
         update_block_descriptors(k, kmax, kmin, n, 1, BLOCK)
-        select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width)
+        select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale)
 
     fns = {
         "dense_attention": lambda: decode_attention(q, k, v, n, scale=scale),
         "estimation": estimation,
         "descriptor_update": lambda: update_block_descriptors(k, kmax, kmin, n, 1, BLOCK),
-        "select": lambda: select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width),
+        "select": lambda: select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale),
         "sparse_attention": lambda: sparse_decode_attention(q, k, v, blocks, n, block_size=BLOCK, scale=scale),
         "rectify_attention_triton": lambda: decode_attention(q_rect, k, v, n, scale=scale),
         "rectify_attention_sdpa": lambda: F.scaled_dot_product_attention(
@@ -120,6 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep-ratio", type=float, default=0.1)
+    parser.add_argument("--pooling", default="mean", choices=("mean", "softmax"))
     parser.add_argument("--sweep-sparse", action="store_true", help="only sweep the sparse kernel's tiling")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -132,7 +133,7 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
         return
-    rule = KeepRule(args.keep_ratio, 16, 1, 1)
+    rule = KeepRule(args.keep_ratio, 16, 1, 1, args.pooling)
     rows = []
     cols = ("dense_attention", "descriptor_update", "select", "sparse_attention", "rectify_attention_triton",
             "rectify_attention_sdpa")
@@ -144,7 +145,7 @@ def main() -> None:
             print(f"{shape:<13} {length:>7} " + " ".join(f"{r['ms'][c]:16.4f}" for c in cols)
                   + f"  {r['speedup_estimation_plus_sparse_vs_dense']:.2f}x", flush=True)
             torch.cuda.empty_cache()
-    result = {**meta, "keep_ratio": args.keep_ratio, "sink_blocks": 1, "block_size": BLOCK, "rows": rows}
+    result = {**meta, "keep_ratio": args.keep_ratio, "pooling": args.pooling, "sink_blocks": 1, "block_size": BLOCK, "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 

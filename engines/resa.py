@@ -22,7 +22,7 @@ from engines.base import DocumentState, Engine, outside_engine_error
 from engines.cache import StaticKVCache, StaticKVLayer, layer_types
 from engines.decoding import StaticForward
 from kernels.block_descriptors import update_block_descriptors
-from kernels.block_select import KeepRule, select_blocks
+from kernels.block_select import POOLINGS, KeepRule, select_blocks
 from kernels.chunk_attention import chunk_attention, chunk_attention_backend
 from kernels.decode_attention import decode_attention, decode_backend
 from kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_backend
@@ -35,7 +35,11 @@ class ResaConfig:
 
     sink_blocks (not in the paper, 0 there): always keep the first blocks too. Attention sinks (the first
     tokens) held 15-83% of the attention mass in Gemma 3 270M's global layers (measured on CPU at 3K tokens),
-    and Quest's bound does not always rank them in; profiles/resa.yaml keeps 1 (see benchmarks/README.md)."""
+    and Quest's bound does not always rank them in; profiles/resa.yaml keeps 1 (see benchmarks/README.md).
+
+    pooling: how a GQA group shares its selection. "mean" is the paper's (Quest's bound of the group's average
+    query); "softmax" (NSA's group sharing) softmaxes each head's bounds over the blocks and sums them, so that
+    a block one head attends to sharply is not averaged away by the group's other heads (kernels/block_select)."""
 
     block_size: int = 16
     keep_ratio: float = 0.1
@@ -43,6 +47,7 @@ class ResaConfig:
     local_blocks: int = 1
     rectify_every: int = 32
     sink_blocks: int = 0
+    pooling: str = "mean"
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 64:
@@ -56,13 +61,15 @@ class ResaConfig:
         if self.min_blocks < self.local_blocks + self.sink_blocks:
             raise ValueError(f"bad value for min_blocks: {self.min_blocks!r}; expected an integer >= local_blocks + "
                              f"sink_blocks ({self.local_blocks + self.sink_blocks})")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"bad value for pooling: {self.pooling!r}; expected one of {', '.join(POOLINGS)}")
         if self.rectify_every < 0:
             raise ValueError(f"bad value for rectify_every: {self.rectify_every!r}; expected an integer >= 0 "
                              "(0 = never)")
 
     @property
     def rule(self) -> KeepRule:
-        return KeepRule(self.keep_ratio, self.min_blocks, self.local_blocks, self.sink_blocks)
+        return KeepRule(self.keep_ratio, self.min_blocks, self.local_blocks, self.sink_blocks, self.pooling)
 
 
 class ResaKVLayer(StaticKVLayer):
@@ -141,7 +148,7 @@ class ResaEngine(Engine):
         start = time.perf_counter()
         update_block_descriptors(key, layer.kmax, layer.kmin, length, 1, longctx.block_size)
         blocks = select_blocks(query[:, :, 0], layer.kmax, layer.kmin, length, block_size=longctx.block_size,
-                               rule=longctx.rule, width=longctx.width)
+                               rule=longctx.rule, width=longctx.width, scale=scaling)
         start = _clock(longctx, "estimation_s", start)
         out = sparse_decode_attention(query[:, :, 0], key, value, blocks, length, block_size=longctx.block_size,
                                       scale=scaling)
@@ -224,6 +231,7 @@ class ResaEngine(Engine):
                "sparse_layers": f"{covered}/{total}" + ("" if covered == total else
                                                        " (sliding-window layers stay exact)"),
                "block_size": self.config.block_size, "sink_blocks": self.config.sink_blocks,
+               "group_pooling": self.config.pooling,
                "selection_width_blocks": state.cache.width}
         steps = data.get("steps", 0)
         if not steps:

@@ -104,6 +104,53 @@ def test_block_scores_are_quest_bounds_and_upper_bound_q_dot_k():
         assert (s[0, h, n_blocks:] == float("-inf")).all()
 
 
+def test_softmax_pooling_is_the_groups_summed_block_softmax():
+    torch.manual_seed(0)
+    L, D, G, scale = 150, 16, 4, 0.25
+    keys = _keys(1, 2, 160, D, [L])
+    q = torch.randn(1, 2 * G, D)
+    kmax, kmin = _descriptors(keys, [L])
+    s = block_scores(q, kmax, kmin, torch.tensor([L]), block_size=BS, local_blocks=2, sink_blocks=1,
+                     pooling="softmax", scale=scale)
+    n_blocks = -(-L // BS)
+    scored = range(1, n_blocks - 2)
+    for h in range(2):
+        expected = torch.zeros(n_blocks)
+        for g in range(G):
+            qh = q[0, h * G + g]
+            bounds = torch.stack([torch.maximum(qh * kmax[0, h, i], qh * kmin[0, h, i]).sum() for i in scored])
+            expected[1:n_blocks - 2] += torch.softmax(bounds * scale, 0)
+        torch.testing.assert_close(s[0, h, 1:n_blocks - 2], expected[1:n_blocks - 2])
+        assert s[0, h, 0] == float("inf") and (s[0, h, n_blocks - 2:n_blocks] == float("inf")).all()
+        assert (s[0, h, n_blocks:] == float("-inf")).all()
+    assert torch.isclose(s[0, 0, 1:n_blocks - 2].sum(), torch.tensor(float(G)))
+
+
+def test_softmax_pooling_keeps_the_block_one_head_attends_to():
+    """One head of the group attends sharply to block 5; the others point away from it. Averaging the queries
+    cancels that head's signal (the paper's pooling drops the block); per-head softmax pooling keeps it."""
+    D, G, n_blocks = 16, 4, 40
+    e0, e1 = torch.eye(D)[0], torch.eye(D)[1]
+    torch.manual_seed(1)
+    keys = 0.3 * torch.randn(1, 1, n_blocks * BS, D)
+    keys[0, 0, :, 1] += torch.rand(n_blocks * BS)  # everywhere some of e1, which the other heads like
+    keys[0, 0, 5 * BS + 3] = 6 * e0
+    q = torch.stack([8 * e0] + [-4 * e0 + 2 * e1] * (G - 1))[None]  # [1, G, D]; mean: -e0 + 1.5 e1
+    kmax, kmin = _descriptors(keys, [n_blocks * BS])
+    length = torch.tensor([n_blocks * BS])
+    kept = {}
+    for pooling in ("mean", "softmax"):
+        rule = KeepRule(0.1, 4, 1, pooling=pooling)
+        idx = select_ref(q, kmax, kmin, length, block_size=BS, rule=rule, width=rule.keep(n_blocks), scale=D**-0.5)
+        kept[pooling] = set(idx[0, 0].tolist())
+    assert 5 not in kept["mean"] and 5 in kept["softmax"]
+
+
+def test_keep_rule_rejects_unknown_pooling():
+    with pytest.raises(ValueError, match="pooling"):
+        KeepRule(0.1, 16, 1, pooling="max")
+
+
 @pytest.mark.parametrize("L", [1, 16, 17, 255, 256, 257, 999], ids=lambda n: f"L{n}")
 def test_select_keeps_top_k_local_and_pads(L):
     rule, S = KeepRule(0.1, 4, 2), 1024
@@ -230,22 +277,25 @@ def _problem(B, group, L, D, dtype, S=None):
     return [t.to(DEVICE) for t in (q, keys, values, kmax, kmin)] + [torch.tensor(lengths, device=DEVICE)]
 
 
+@pytest.mark.parametrize("pooling", ["mean", "softmax"])
 @pytest.mark.parametrize("L", [1, 17, 1000, 4097, 32768], ids=lambda n: f"L{n}")
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")
 @pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
 @pytest.mark.gpu
 @needs_triton
-def test_select_triton_matches_reference(D, group, L):
+def test_select_triton_matches_reference(D, group, L, pooling):
     from kernels.block_select.triton import select_blocks_triton
 
     q, keys, _, kmax, kmin, length = _problem(2, group, L, D, torch.float16 if DEVICE == "cpu" else torch.bfloat16)
-    rule = KeepRule(0.1, 16, 1)
+    rule = KeepRule(0.1, 16, 1, 1 if pooling == "softmax" else 0, pooling=pooling)
     width = rule.keep(kmax.shape[2]) + 5
-    got = select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width)
-    ref = select_ref(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, rule=rule, width=width)
+    got = select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width, scale=D**-0.5)
+    ref = select_ref(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, rule=rule, width=width,
+                     scale=D**-0.5)
     if not torch.equal(got.cpu(), ref):
         # Summation order may flip near-ties: the kernel's choice must still be a top-k under reference scores.
-        scores = block_scores(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, local_blocks=1)
+        scores = block_scores(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, local_blocks=1,
+                              sink_blocks=rule.sink_blocks, pooling=pooling, scale=D**-0.5)
         for b in range(2):
             for h in range(2):
                 a, r = got[b, h].cpu(), ref[b, h]

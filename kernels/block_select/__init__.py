@@ -1,7 +1,8 @@
 """block_select: which key blocks one decode query reads (Quest scores, GQA-shared, dynamic top-k).
 
 Per KV head, the query heads of its GQA group are averaged into one query q, and every block i gets Quest's
-upper bound on q.k over the block, sum_d max(q_d * kmax_id, q_d * kmin_id). The last `local_blocks` blocks
+upper bound on q.k over the block, sum_d max(q_d * kmax_id, q_d * kmin_id) (the paper's pooling; with
+softmax pooling each head's bounds are softmaxed over the blocks and summed over the group instead). The last `local_blocks` blocks
 are always kept (and the first `sink_blocks`, an option beyond the paper: attention-sink tokens), and
 k = max(ceil(n_blocks * keep_ratio), min(n_blocks, min_blocks)) blocks are kept in all.
 The result has a fixed width (static shapes: the k of the cache's capacity), holds the kept block indices in
@@ -14,10 +15,10 @@ import functools
 
 import torch
 
-from kernels.block_select.reference import KeepRule, block_scores
+from kernels.block_select.reference import POOLINGS, KeepRule, block_scores
 from kernels.block_select.reference import select_blocks as select_blocks_reference
 
-__all__ = ["KeepRule", "block_scores", "select_blocks", "select_blocks_reference"]
+__all__ = ["POOLINGS", "KeepRule", "block_scores", "select_blocks", "select_blocks_reference"]
 
 
 @functools.cache
@@ -30,10 +31,11 @@ def _triton_impl():
 
 
 def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
-                  block_size: int, rule: KeepRule, width: int) -> torch.Tensor:
-    """q: [B, Hq, D]; kmax, kmin: [B, Hkv, NB, D]; length: [B] int64 (valid keys, the new one included).
+                  block_size: int, rule: KeepRule, width: int, scale: float = 1.0) -> torch.Tensor:
+    """q: [B, Hq, D]; kmax, kmin: [B, Hkv, NB, D]; length: [B] int64 (valid keys, the new one included);
+    scale: the attention's softmax scale (used by rule.pooling "softmax").
 
     Returns block indices [B, Hkv, width] int32: the kept blocks ascending, then -1. width >= rule.keep(NB).
     """
     impl = (_triton_impl() if q.is_cuda else None) or select_blocks_reference
-    return impl(q, kmax, kmin, length, block_size=block_size, rule=rule, width=width)
+    return impl(q, kmax, kmin, length, block_size=block_size, rule=rule, width=width, scale=scale)

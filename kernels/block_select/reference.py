@@ -7,19 +7,29 @@ from fractions import Fraction
 
 import torch
 
+POOLINGS = ("mean", "softmax")
+
 
 @dataclass(frozen=True)
 class KeepRule:
     """How many blocks a query keeps: k = max(ceil(n * keep_ratio), min(n, min_blocks)), forced ones included.
 
     The last `local_blocks` and the first `sink_blocks` blocks are always kept (forced). keep_ratio is held as
-    an exact fraction so that the host, the reference and the kernel agree on k.
+    an exact fraction so that the host, the reference and the kernel agree on k. `pooling` is how the query
+    heads of a GQA group share one selection: "mean" (the paper: Quest's bound of the group's mean query) or
+    "softmax" (NSA's sharing: each head's bounds, times the attention scale, softmaxed over the scored blocks,
+    summed over the group, so that a head whose attention is peaked on a few blocks gets them kept).
     """
 
     keep_ratio: float
     min_blocks: int
     local_blocks: int
     sink_blocks: int = 0
+    pooling: str = "mean"
+
+    def __post_init__(self):
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"bad value for pooling: {self.pooling!r}; expected one of {', '.join(POOLINGS)}")
 
     @property
     def ratio(self) -> tuple[int, int]:
@@ -32,25 +42,35 @@ class KeepRule:
 
 
 def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
-                 block_size: int, local_blocks: int, sink_blocks: int = 0) -> torch.Tensor:
-    """Scores [B, Hkv, NB] fp32: Quest's bound, +inf for the forced (local and sink) blocks, -inf past the end."""
+                 block_size: int, local_blocks: int, sink_blocks: int = 0, pooling: str = "mean",
+                 scale: float = 1.0) -> torch.Tensor:
+    """Scores [B, Hkv, NB] fp32: the group's pooled Quest bounds (see KeepRule), +inf for the forced (local and
+    sink) blocks, -inf past the end. scale (the attention's) only matters to softmax pooling."""
     B, Hq, D = q.shape
     Hkv, NB = kmax.shape[1], kmax.shape[2]
-    qbar = q.float().view(B, Hkv, Hq // Hkv, D).mean(dim=2)[:, :, None, :]  # [B, Hkv, 1, D]
-    s = torch.maximum(qbar * kmax.float(), qbar * kmin.float()).sum(dim=-1)  # [B, Hkv, NB]
+    qg = q.float().view(B, Hkv, Hq // Hkv, D)
     n_blocks = (length + block_size - 1) // block_size  # [B]
     idx = torch.arange(NB, device=q.device)
-    local = ((idx >= (n_blocks - local_blocks)[:, None]) | (idx < sink_blocks)) & (idx < n_blocks[:, None])
-    s = torch.where(local[:, None], float("inf"), s)
-    return s.masked_fill(~(idx < n_blocks[:, None])[:, None], float("-inf"))
+    inside = (idx < n_blocks[:, None])[:, None]  # [B, 1, NB]
+    forced = ((idx >= (n_blocks - local_blocks)[:, None]) | (idx < sink_blocks))[:, None] & inside
+    if pooling == "mean":
+        qbar = qg.mean(dim=2)[:, :, None, :]  # [B, Hkv, 1, D]
+        s = torch.maximum(qbar * kmax.float(), qbar * kmin.float()).sum(dim=-1)  # [B, Hkv, NB]
+    else:
+        bound = torch.maximum(qg[:, :, :, None] * kmax.float()[:, :, None],
+                              qg[:, :, :, None] * kmin.float()[:, :, None]).sum(dim=-1)  # [B, Hkv, G, NB]
+        scored = (inside & ~forced)[:, :, None]  # [B, 1, 1, NB]
+        s = torch.softmax((bound * scale).masked_fill(~scored, float("-inf")), dim=-1).nan_to_num(0.0).sum(dim=2)
+    s = torch.where(forced, float("inf"), s)
+    return s.masked_fill(~inside, float("-inf"))
 
 
 def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
-                  block_size: int, rule: KeepRule, width: int) -> torch.Tensor:
+                  block_size: int, rule: KeepRule, width: int, scale: float = 1.0) -> torch.Tensor:
     """See kernels.block_select.select_blocks. Ties are broken by torch.topk (the kernel: lowest index)."""
     B, Hkv = kmax.shape[:2]
     scores = block_scores(q, kmax, kmin, length, block_size=block_size, local_blocks=rule.local_blocks,
-                          sink_blocks=rule.sink_blocks)
+                          sink_blocks=rule.sink_blocks, pooling=rule.pooling, scale=scale)
     out = torch.full((B, Hkv, width), -1, dtype=torch.int32, device=q.device)
     for b, n in enumerate(length.tolist()):
         k = rule.keep(-(-n // block_size))

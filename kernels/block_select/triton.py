@@ -1,7 +1,9 @@
-"""Triton block scoring and top-k selection: two launches, no host synchronisation.
+"""Triton block scoring and top-k selection: two launches (three with softmax pooling), no host synchronisation.
 
 1. `_block_scores_kernel`, one program per (batch, kv head, tile of blocks): the group-averaged query against
-   the tile's max/min descriptors. Blocks past the end are not read.
+   the tile's max/min descriptors. Blocks past the end are not read. With softmax pooling it writes each
+   head's scaled bounds and the tile's per-head max and sum of exponentials instead, and
+   `_softmax_pool_kernel` (same grid) reduces those over the tiles and sums the heads' probabilities.
 2. `_block_topk_resident_kernel`, one program per (batch, kv head): finds the k-th largest score exactly by a
    32-step binary search over the scores' order-preserving integer keys, held in registers (k is computed on
    the device from `length`), then writes the blocks scoring above it, plus as many ties as needed (lowest
@@ -22,32 +24,72 @@ _SCORE_TILE = 64  # blocks per scoring program
 _SELECT_TILE = 2048  # scores per pass step of the selection program (long contexts)
 # Up to this many blocks (256K tokens of 16) one program holds a head's scores in registers for the search.
 _RESIDENT_MAX = 16384
+_LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _block_scores_kernel(
-    Q, Kmax, Kmin, Length, Scores, n_kv_heads, n_q_heads, n_blocks_cap, local_blocks, sink_blocks,
-    stride_qb, stride_qh, stride_db, stride_dh, stride_dn,
+    Q, Kmax, Kmin, Length, Scores, Bounds, TileMax, TileSum, n_kv_heads, n_blocks_cap, n_tiles, local_blocks,
+    sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+    SOFTMAX: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
+    tile = tl.program_id(1)
     b = (pid_bh // n_kv_heads).to(tl.int64)
     h = (pid_bh % n_kv_heads).to(tl.int64)
     length = tl.load(Length + b).to(tl.int64)
     n_blocks = tl.cdiv(length, BLOCK)
-    offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + (h * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=offs_g[:, None] < GROUP, other=0.0).to(tl.float32)
-    qbar = tl.sum(q, 0) / GROUP  # [HEAD_DIM]
-    offs = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    offs = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
     scored = (offs < n_blocks - local_blocks) & (offs >= sink_blocks)
     base = b * stride_db + h * stride_dh + offs[:, None] * stride_dn + offs_d[None, :]
     top = tl.load(Kmax + base, mask=scored[:, None], other=0.0).to(tl.float32)
     bottom = tl.load(Kmin + base, mask=scored[:, None], other=0.0).to(tl.float32)
-    s = tl.sum(tl.maximum(qbar[None, :] * top, qbar[None, :] * bottom), 1)
-    s = tl.where(scored, s, tl.where(offs < n_blocks, float("inf"), float("-inf")))
-    tl.store(Scores + pid_bh.to(tl.int64) * n_blocks_cap + offs, s, mask=offs < n_blocks_cap)
+    q_row = Q + b * stride_qb + h * GROUP * stride_qh + offs_d
+    if SOFTMAX:
+        row = pid_bh.to(tl.int64) * GROUP
+        for g in tl.static_range(GROUP):
+            qg = tl.load(q_row + g * stride_qh).to(tl.float32)
+            s = tl.sum(tl.maximum(qg[None, :] * top, qg[None, :] * bottom), 1) * scale_log2
+            s = tl.where(scored, s, float("-inf"))
+            m = tl.max(s, 0)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            tl.store(Bounds + (row + g) * n_blocks_cap + offs, s, mask=offs < n_blocks_cap)
+            tl.store(TileMax + (row + g) * n_tiles + tile, m)
+            tl.store(TileSum + (row + g) * n_tiles + tile, tl.sum(tl.exp2(s - m_safe), 0))
+    else:
+        offs_g = tl.arange(0, G_PAD)
+        q = tl.load(q_row[None, :] + offs_g[:, None] * stride_qh, mask=offs_g[:, None] < GROUP, other=0.0)
+        qbar = tl.sum(q.to(tl.float32), 0) / GROUP  # [HEAD_DIM]
+        s = tl.sum(tl.maximum(qbar[None, :] * top, qbar[None, :] * bottom), 1)
+        s = tl.where(scored, s, tl.where(offs < n_blocks, float("inf"), float("-inf")))
+        tl.store(Scores + pid_bh.to(tl.int64) * n_blocks_cap + offs, s, mask=offs < n_blocks_cap)
+
+
+@triton.jit
+def _softmax_pool_kernel(
+    Bounds, TileMax, TileSum, Length, Scores, n_kv_heads, n_blocks_cap, n_tiles, local_blocks, sink_blocks,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, NT_PAD: tl.constexpr,
+):
+    """Scores of one tile: sum over the group's heads of exp2(bound - max) / sum, max and sum over all tiles."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    b = pid_bh // n_kv_heads
+    n_blocks = tl.cdiv(tl.load(Length + b).to(tl.int64), BLOCK)
+    offs = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    offs_t = tl.arange(0, NT_PAD)
+    acc = tl.zeros([TILE], dtype=tl.float32)
+    for g in tl.static_range(GROUP):
+        row = pid_bh * GROUP + g
+        m_t = tl.load(TileMax + row * n_tiles + offs_t, mask=offs_t < n_tiles, other=float("-inf"))
+        m = tl.max(m_t, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        z = tl.sum(tl.load(TileSum + row * n_tiles + offs_t, mask=offs_t < n_tiles, other=0.0) * tl.exp2(m_t - m), 0)
+        s = tl.load(Bounds + row * n_blocks_cap + offs, mask=offs < n_blocks_cap, other=float("-inf"))
+        acc += tl.exp2(s - m) / tl.maximum(z, 1e-30)
+    scored = (offs < n_blocks - local_blocks) & (offs >= sink_blocks)
+    acc = tl.where(scored, acc, tl.where(offs < n_blocks, float("inf"), float("-inf")))
+    tl.store(Scores + pid_bh * n_blocks_cap + offs, acc, mask=offs < n_blocks_cap)
 
 
 @triton.jit
@@ -139,7 +181,7 @@ def _block_topk_resident_kernel(
 
 
 def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
-                         block_size: int, rule: KeepRule, width: int) -> torch.Tensor:
+                         block_size: int, rule: KeepRule, width: int, scale: float = 1.0) -> torch.Tensor:
     """Same contract as reference.select_blocks; CUDA-graph capturable."""
     if q.dim() != 3:
         raise ValueError(f"expected q of shape [B, Hq, D], got {tuple(q.shape)}")
@@ -158,16 +200,28 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     for name, t in (("q", q), ("kmax", kmax), ("kmin", kmin), ("length", length)):
         check_device(name, t, q.device)
     group = Hq // Hkv
+    softmax = rule.pooling == "softmax"
+    n_tiles = triton.cdiv(NB, _SCORE_TILE)
     scores = torch.empty(B, Hkv, NB, device=q.device, dtype=torch.float32)
+    # Softmax pooling's scratch: each head's scaled bounds, and per tile each head's max and sum of exp2.
+    bounds = torch.empty(B, Hkv, group, NB if softmax else 1, device=q.device, dtype=torch.float32)
+    tile_max = torch.empty(B, Hkv, group, n_tiles if softmax else 1, device=q.device, dtype=torch.float32)
+    tile_sum = torch.empty_like(tile_max)
     out = torch.empty(B, Hkv, width, device=q.device, dtype=torch.int32)
     num, den = rule.ratio
     with launch_context(q.device):
-        _block_scores_kernel[(B * Hkv, triton.cdiv(NB, _SCORE_TILE))](
-            q, kmax, kmin, length, scores, Hkv, Hq, NB, rule.local_blocks, rule.sink_blocks,
-            q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2),
-            GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
-            TILE=_SCORE_TILE, num_warps=4,
+        _block_scores_kernel[(B * Hkv, n_tiles)](
+            q, kmax, kmin, length, scores, bounds, tile_max, tile_sum, Hkv, NB, n_tiles, rule.local_blocks,
+            rule.sink_blocks, scale * _LOG2E, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
+            kmax.stride(2), GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
+            TILE=_SCORE_TILE, SOFTMAX=softmax, num_warps=4,
         )
+        if softmax:
+            _softmax_pool_kernel[(B * Hkv, n_tiles)](
+                bounds, tile_max, tile_sum, length, scores, Hkv, NB, n_tiles, rule.local_blocks, rule.sink_blocks,
+                GROUP=group, BLOCK=block_size, TILE=_SCORE_TILE, NT_PAD=max(16, triton.next_power_of_2(n_tiles)),
+                num_warps=4,
+            )
         if NB <= _RESIDENT_MAX:
             nb_pad = max(16, triton.next_power_of_2(NB))
             _block_topk_resident_kernel[(B * Hkv,)](

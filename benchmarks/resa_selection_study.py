@@ -1,0 +1,161 @@
+"""How well each block-scoring rule picks what dense decoding attends to (resa, issue 5's accuracy gap).
+
+Harness samples are decoded densely (resa with keep_ratio 1.0 reads every block, which equals dense token for
+token); at every decode step of every sparse layer the query and keys are handed to each scoring rule, and the
+blocks a rule keeps (same k, same forced local and sink blocks) are compared with dense attention:
+captured attention mass per query head and the relative error of the attention output.
+
+    python benchmarks/resa_selection_study.py --tasks niah_single_3,niah_multivalue --length 4096 --samples 2
+
+Rules: `mean` the paper's (Quest's bound of the GQA group's mean query), `max` the largest per-head bound,
+`softmax` per-head softmax over the blocks' bounds summed over the group (NSA-style shared importance), and
+`oracle` the true attention mass per block summed over the group (needs every key: an upper bound, not a rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import engines.resa as resa_module  # noqa: E402
+from engines import ENGINES  # noqa: E402
+from engines.decoding import Sampler  # noqa: E402
+from kernels.block_select import KeepRule  # noqa: E402
+from longctx_cli.accuracy import PromptBuilder, _ids  # noqa: E402
+from longctx_cli.models import load_model  # noqa: E402
+from longctx_cli.profiles import resolve_profile  # noqa: E402
+from longctx_cli.prompt import AnswerText  # noqa: E402
+from longctx_cli.tasks import generate, score  # noqa: E402
+
+RULES = ("mean", "max", "softmax", "maxnorm", "oracle")
+
+
+def block_extrema(k: torch.Tensor, n: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k: [Hkv, S, D] -> kmax, kmin [Hkv, NB, D] over the first n keys."""
+    nb = -(-n // bs)
+    pad = nb * bs - n
+    kk = k[:, :n].float()
+    hi = torch.nn.functional.pad(kk, (0, 0, 0, pad), value=float("-inf")).view(k.shape[0], nb, bs, -1).amax(2)
+    lo = torch.nn.functional.pad(kk, (0, 0, 0, pad), value=float("inf")).view(k.shape[0], nb, bs, -1).amin(2)
+    return hi, lo
+
+
+def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float) -> torch.Tensor:
+    """qg: [Hkv, G, D]; hi, lo: [Hkv, NB, D]; probs_blocks: [Hkv, G, NB] -> scores [Hkv, NB]."""
+    if rule == "oracle":
+        return probs_blocks.sum(1)
+    if rule == "mean":
+        q = qg.mean(1, keepdim=True)
+        return torch.maximum(q[:, :, None] * hi[:, None], q[:, :, None] * lo[:, None]).sum(-1)[:, 0]
+    bound = torch.maximum(qg[:, :, None] * hi[:, None], qg[:, :, None] * lo[:, None]).sum(-1)  # [Hkv, G, NB]
+    if rule == "max":
+        return bound.amax(1)
+    if rule == "maxnorm":
+        return torch.exp((bound - bound.amax(-1, keepdim=True)) * scale).sum(1)
+    return torch.softmax(bound * scale, dim=-1).sum(1)
+
+
+class Recorder:
+    def __init__(self, rule: KeepRule, block_size: int):
+        self.rule, self.bs = rule, block_size
+        self.rows: list[dict] = []
+        self.tag: dict = {}
+        self.decode_with = "dense"  # the rule whose sparse output is returned (generation follows it)
+
+    def __call__(self, q, key, value, blocks, length, *, block_size, scale):
+        n = int(length[0])
+        B, Hq, D = q.shape
+        Hkv = key.shape[1]
+        qg = q[0].float().view(Hkv, Hq // Hkv, D)
+        k, v = key[0, :, :n].float(), value[0, :, :n].float()
+        logits = torch.einsum("hgd,hsd->hgs", qg, k) * scale
+        probs = torch.softmax(logits, -1)
+        dense_out = torch.einsum("hgs,hsd->hgd", probs, v)
+        nb = -(-n // self.bs)
+        pad = nb * self.bs - n
+        pb = torch.nn.functional.pad(probs, (0, pad)).view(Hkv, -1, nb, self.bs).sum(-1)  # [Hkv, G, NB]
+        hi, lo = block_extrema(key[0], n, self.bs)
+        keep = self.rule.keep(nb)
+        forced = torch.zeros(nb, dtype=torch.bool)
+        forced[max(0, nb - self.rule.local_blocks):] = True
+        forced[:self.rule.sink_blocks] = True
+        row = {**self.tag, "n": n, "blocks": nb, "keep": keep}
+        returned = dense_out
+        for name in RULES:
+            s = rule_scores(name, qg, hi, lo, pb, scale).masked_fill(forced[None], float("inf"))
+            top = torch.topk(s, keep, dim=-1).indices  # [Hkv, keep]
+            mask = torch.zeros(Hkv, nb, dtype=torch.bool).scatter_(1, top, True)
+            tokmask = mask.repeat_interleave(self.bs, dim=1)[:, :n]  # [Hkv, n]
+            sl = logits.masked_fill(~tokmask[:, None], float("-inf"))
+            out = torch.einsum("hgs,hsd->hgd", torch.softmax(sl, -1), v)
+            mass = (probs * tokmask[:, None]).sum(-1).flatten()
+            err = ((out - dense_out).norm(dim=-1) / dense_out.norm(dim=-1)).flatten()
+            if name == self.decode_with:
+                returned = out
+            row[name] = {"mass_min": round(float(mass.min()), 4), "mass_mean": round(float(mass.mean()), 4),
+                         "err_max": round(float(err.max()), 4), "err_mean": round(float(err.mean()), 4)}
+        self.rows.append(row)
+        return returned.view(1, Hq, D).to(q.dtype)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="niah_single_3,niah_multivalue")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--keep-ratio", type=float, default=0.1)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--decode-with", default="dense",
+                        help="comma-separated: dense and/or rules; each generates its own answers (scored)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    lm = load_model(None, device="auto", dtype="auto")
+    prof = resolve_profile("resa", {"keep_ratio": 1.0, "rectify_every": 0})
+    engine = ENGINES["resa"](lm, prof.engine_config, prof.run)
+    cfg = prof.engine_config
+    rec = Recorder(KeepRule(args.keep_ratio, cfg.min_blocks, cfg.local_blocks, cfg.sink_blocks), cfg.block_size)
+    resa_module.sparse_decode_attention = rec
+    builder = PromptBuilder(lm.tokenizer, "auto", [])
+    scores: dict[str, list[float]] = {}
+    for task in args.tasks.split(","):
+        for sample in generate(task, args.length, args.samples, lm.tokenizer, seed=0, budget=args.max_new_tokens,
+                               overhead=builder.overhead()):
+            doc = torch.cat([builder.prefix, _ids(lm.tokenizer, sample.document)])
+            tail = builder.tail(sample.question, sample.answer_prefix)
+            for mode in args.decode_with.split(","):
+                rec.decode_with = mode
+                state = engine.prefill(doc, reserve=tail.numel() + args.max_new_tokens)
+                text = AnswerText(lm.tokenizer, builder.stop_strings, builder.stop_ids)
+                stream = engine.answer(state, tail, args.max_new_tokens, Sampler())
+                for step, token in enumerate(stream):
+                    rec.tag = {"task": task, "sample": sample.index, "mode": mode, "step": step + 1}
+                    text.feed(token)
+                    if text.done:
+                        break
+                stream.close()
+                got = 100 * score(sample, text.text)
+                scores.setdefault(f"{task}/{mode}", []).append(got)
+                print(task, sample.index, mode, got, repr(text.text.strip()[:60]), sample.expected, flush=True)
+    print({k: round(statistics.fmean(v), 1) for k, v in scores.items()})
+
+    summary = {}
+    for name in RULES:
+        vals = [r[name] for r in rec.rows]
+        summary[name] = {key: round(statistics.fmean(v[key] for v in vals), 4) for key in vals[0]}
+        summary[name]["err_max_p90"] = round(sorted(v["err_max"] for v in vals)[int(0.9 * len(vals))], 4)
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "summary": summary,
+                                        "scores": scores,
+                                        "rows": rec.rows}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
