@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from engines import ENGINES
 from engines.decoding import Sampler
 from engines.base import EngineInputError
-from longctx_cli.errors import ConfigError, ContextTooLongError, InputError, OutOfMemoryError
+from longctx_cli.errors import ConfigError, ContextTooLongError, InputError, OutOfMemoryError, is_out_of_memory
 from longctx_cli.inputs import Document, collect_documents, iter_text, tokenize_stream
 from longctx_cli.models import load_config, load_model, load_tokenizer, max_context
 from longctx_cli.prompt import AnswerText, build_layout
@@ -164,11 +164,8 @@ def run_ask(opts: AskOptions) -> int:
             report.stopped = "interrupted"
             _emit(report, opts)
             raise
-        except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
-            raise _oom_error(exc, session, report.tokens_in) from None
-        except RuntimeError as exc:
-            # The CPU allocator reports exhaustion as a plain RuntimeError.
-            if "can't allocate memory" in str(exc) or "out of memory" in str(exc).lower():
+        except (MemoryError, RuntimeError) as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
+            if is_out_of_memory(exc):
                 raise _oom_error(exc, session, report.tokens_in) from None
             raise
         except (InputError, ContextTooLongError, ConfigError) as exc:

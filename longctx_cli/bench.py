@@ -27,7 +27,7 @@ from engines import ENGINES
 from engines.base import EngineInputError
 from engines.decoding import Sampler
 from longctx_cli import distributed
-from longctx_cli.errors import ConfigError
+from longctx_cli.errors import ConfigError, is_out_of_memory
 from longctx_cli.models import load_model
 from longctx_cli.plan import parse_count
 from longctx_cli.report import RANDOM_NOTE, environment, memory_snapshot, reset_peaks
@@ -85,6 +85,20 @@ def measure(engine, ids: torch.Tensor, steps: int) -> dict:
     return row
 
 
+def _out_of_memory(exc: BaseException, engine, model, length: int, steps: int) -> dict:
+    """The fields of a row whose run ran out of memory: the error, the engine's planned state and what was free."""
+    gc.collect()
+    dtype_bytes = next(model.parameters()).element_size()
+    planned = engine.memory_plan(model.config, length + 8 + WARMUP_STEPS + steps + 1, dtype_bytes, engine.config)
+    row = {"out_of_memory": (str(exc).splitlines() or [type(exc).__name__])[0][:200],
+           "planned_state_gib": planned / 2**30, "weights_gib": _weight_bytes(model) / 2**30}
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        row["free_gib_after_weights"] = {f"cuda:{i}": torch.cuda.mem_get_info(i)[0] / 2**30
+                                         for i in range(torch.cuda.device_count())}
+    return row
+
+
 @contextlib.contextmanager
 def _engine_input_errors():
     """A document an engine's settings cannot take (too many ranks for its blocks, more context memory than
@@ -136,12 +150,22 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
             # An identical warm-up run absorbs kernel compilation (per shape) and graph capture; --warmup N runs
             # it on the first N tokens instead (0: none).
             warm = ids if warmup_tokens is None else ids[:warmup_tokens]
-            with _engine_input_errors():
-                if warm.numel():
-                    measure(engine, warm, steps)
-                err.print(f"[dim]{prof.name}: {length:,} tokens...[/]")
-                row = {"engine": prof.engine, "profile": prof.name, "context_tokens": length,
-                       "ranks": getattr(engine, "world", 1), **measure(engine, ids, steps)}
+            row = {"engine": prof.engine, "profile": prof.name, "context_tokens": length,
+                   "ranks": getattr(engine, "world", 1)}
+            try:
+                with _engine_input_errors():
+                    if warm.numel():
+                        measure(engine, warm, steps)
+                    err.print(f"[dim]{prof.name}: {length:,} tokens...[/]")
+                    row.update(measure(engine, ids, steps))
+            except (MemoryError, RuntimeError) as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                # Where an engine runs out of memory is a result (dense at 1M tokens): a row, and on to the next.
+                row.update(_out_of_memory(exc, engine, lm.model, length, steps))
+                err.print(f"[yellow]{prof.name}: {length:,} tokens: {row['out_of_memory']}[/]")
+                rows.append(row)
+                continue
             if bandwidth:
                 dtype_bytes = next(lm.model.parameters()).element_size()
                 read = _weight_bytes(lm.model) + engine.kv_read_bytes(lm.model.config, length, dtype_bytes)
@@ -175,6 +199,10 @@ def _table(result: dict) -> None:
         table.add_column(col, justify="right")
     for r in result["rows"]:
         engine = r["engine"] + (f" x{r['ranks']} ranks" if r.get("ranks", 1) > 1 else "")
+        if "out_of_memory" in r:
+            table.add_row(engine, f"{r['context_tokens']:,}", "[red]out of memory[/]",
+                          f"state {r['planned_state_gib']:.1f} GiB", "-", "-", "-", "-")
+            continue
         table.add_row(engine, f"{r['context_tokens']:,}", f"{r['prefill_s']:.2f}", f"{r['prefill_tok_s']:,.0f}",
                       f"{r['decode_ms_per_token']:.2f}", f"{r['peak_gib']:.2f}",
                       f"{r['roofline_ms']:.2f}" if "roofline_ms" in r else "-",

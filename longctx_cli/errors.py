@@ -42,5 +42,15 @@ class OutOfMemoryError(LongctxError):
     exit_code = 7
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A device or host allocation failure (the CPU allocator reports one as a plain RuntimeError)."""
+    import torch
+
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or
+                                              "out of memory" in str(exc).lower())
+
+
 EXIT_PARTIAL = 8
 EXIT_INTERRUPTED = 130

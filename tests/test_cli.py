@@ -227,6 +227,28 @@ def test_bench_json(cli, tmp_path):
     assert row["prefill_s"] > 0 and row["decode_ms_per_token"] > 0 and row["peak_gib"] > 0
 
 
+def test_bench_records_where_an_engine_runs_out_of_memory(cli, tmp_path, monkeypatch):
+    """A length that does not fit is a row saying so (with the planned state), and the other lengths still run."""
+    from engines.dense import DenseEngine
+
+    prefill = DenseEngine.prefill
+
+    def prefill_or_oom(self, ids, **kwargs):
+        if ids.numel() > 300:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 GiB")
+        return prefill(self, ids, **kwargs)
+
+    monkeypatch.setattr(DenseEngine, "prefill", prefill_or_oom)
+    result = tmp_path / "bench.json"
+    code, out, err = cli("bench", "--lengths", "256,512", "--steps", "2", "--compare", "none", "--json", result)
+    assert code == 0, err
+    small, big = json.loads(result.read_text())["rows"]
+    assert small["context_tokens"] == 256 and small["decode_ms_per_token"] > 0
+    assert big["context_tokens"] == 512 and "prefill_s" not in big
+    assert big["out_of_memory"].startswith("CUDA out of memory") and big["planned_state_gib"] > 0
+    assert "out of memory" in err
+
+
 def test_bench_short_warmup(cli, tmp_path):
     """--warmup N warms up on the context's first N tokens (streaming engines at 1M); the file says so."""
     result = tmp_path / "bench.json"
