@@ -85,12 +85,12 @@ def measure(engine, ids: torch.Tensor, steps: int) -> dict:
     return row
 
 
-def _out_of_memory(exc: BaseException, engine, model, length: int, steps: int) -> dict:
+def _out_of_memory(message: str, engine, model, length: int, steps: int) -> dict:
     """The fields of a row whose run ran out of memory: the error, the engine's planned state and what was free."""
     gc.collect()
     dtype_bytes = next(model.parameters()).element_size()
     planned = engine.memory_plan(model.config, length + 8 + WARMUP_STEPS + steps + 1, dtype_bytes, engine.config)
-    row = {"out_of_memory": (str(exc).splitlines() or [type(exc).__name__])[0][:200],
+    row = {"out_of_memory": message,
            "planned_state_gib": planned / 2**30, "weights_gib": _weight_bytes(model) / 2**30}
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -152,6 +152,7 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
             warm = ids if warmup_tokens is None else ids[:warmup_tokens]
             row = {"engine": prof.engine, "profile": prof.name, "context_tokens": length,
                    "ranks": getattr(engine, "world", 1)}
+            oom = None
             try:
                 with _engine_input_errors():
                     if warm.numel():
@@ -161,9 +162,12 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
             except (MemoryError, RuntimeError) as exc:
                 if not is_out_of_memory(exc):
                     raise
+                oom = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            if oom is not None:
                 # Where an engine runs out of memory is a result (dense at 1M tokens): a row, and on to the next.
-                row.update(_out_of_memory(exc, engine, lm.model, length, steps))
-                err.print(f"[yellow]{prof.name}: {length:,} tokens: {row['out_of_memory']}[/]")
+                # Measured here, once the exception and the frames holding the failed run's tensors are gone.
+                row.update(_out_of_memory(oom, engine, lm.model, length, steps))
+                err.print(f"[yellow]{prof.name}: {length:,} tokens: {oom}[/]")
                 rows.append(row)
                 continue
             if bandwidth:
