@@ -92,11 +92,19 @@ def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
 @pytest.mark.parametrize("key,value,message", [
     ("keep_ratio", 0, "keep_ratio"), ("keep_ratio", 1.5, "keep_ratio"), ("block_size", 12, "block_size"),
     ("local_blocks", 0, "local_blocks"), ("min_blocks", 1, "min_blocks"), ("rectify_every", -1, "rectify_every"),
-    ("sink_blocks", -1, "sink_blocks"),
+    ("sink_blocks", -1, "sink_blocks"), ("pooling", "max", "pooling"),
 ])
 def test_bad_config_names_the_key(key, value, message):
     with pytest.raises(ConfigError, match=message):
         resolve_profile("resa", {key: value})
+
+
+def test_shipped_profiles_pooling():
+    """resa ships softmax pooling and a sink block (beyond the paper); resa-paper is the paper's exact rule."""
+    ours, paper = resolve_profile("resa", {}).engine_config, resolve_profile("resa-paper", {}).engine_config
+    assert (ours.pooling, ours.sink_blocks) == ("softmax", 1)
+    assert (paper.pooling, paper.sink_blocks, paper.keep_ratio, paper.min_blocks, paper.block_size,
+            paper.rectify_every) == ("mean", 0, 0.1, 16, 16, 32)
 
 
 def test_memory_plan_counts_descriptors(lm):
