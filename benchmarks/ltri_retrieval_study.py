@@ -1,7 +1,7 @@
 """Which blocks ltri-stream's question chunk retrieves, against the blocks that hold the needles (issue 8).
 
-Decoding keeps the retrieval of the last prefill chunk (the question's; with decode_retrieval consensus, the
-top blocks of all layers' summed scores), so a needle answer needs the needle's block(s) among them. Per sample: the needles' block ids (block b holds positions n_init + b * block_size ...),
+Decoding keeps the retrieval of the last prefill chunk (the question's), so a needle answer needs the needle's
+block(s) among them. Per sample: the needles' block ids (block b holds positions n_init + b * block_size ...),
 per full-attention layer the retrieved blocks of the question chunk, whether they cover every needle block,
 and the answer and its score.
 

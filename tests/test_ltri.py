@@ -151,33 +151,6 @@ def test_voting_adds_earlier_retrieval_head_layers():
     assert indexer.head_weights(8, torch.device("cpu")).tolist() == [0.25] * 4
 
 
-def test_consensus_loads_the_layers_summed_top_blocks_into_every_layer():
-    """decode_retrieval consensus: block 3, second best in every layer, beats the blocks that one layer alone
-    ranks first; every retrieving layer then holds the same top_k, the sliding ones are left alone."""
-    from types import SimpleNamespace
-
-    from engines.ltri import LtriConfig
-    from engines.ltri.index import Indexer
-
-    class Layer:
-        def __init__(self, retrieve):
-            self.retrieve, self.is_initialized, self.loaded = retrieve, True, None
-
-        def load_blocks(self, wanted):
-            self.loaded = wanted
-            return 10 * len(wanted)
-
-    indexer = Indexer(LtriConfig(top_k=2), SimpleNamespace(num_attention_heads=4))
-    layers = [Layer(True), Layer(False), Layer(True), Layer(True)]
-    scores = {0: torch.tensor([9.0, 0.0, 0.0, 8.0, 1.0]), 2: torch.tensor([0.0, 9.0, 0.0, 8.0, 1.0]),
-              3: torch.tensor([1.0, 0.0, 9.0, 5.0, float("-inf")])}
-    cache = SimpleNamespace(layers=layers, chunk_scores=scores, stats={"host_to_device_bytes": 0})
-    indexer.consensus(cache)
-    # Normalised sums: block 0 1 + 0.11, 1 1.0, 2 1.0, 3 0.89 + 0.89 + 0.56, 4 0.11 + 0.11.
-    assert [layer.loaded for layer in layers] == [[0, 3], None, [0, 3], [0, 3]]
-    assert cache.stats["host_to_device_bytes"] == 60
-
-
 def test_retrieval_slots_keep_blocks_already_loaded():
     from types import SimpleNamespace
 
@@ -291,7 +264,6 @@ def test_static_index_mode_runs(lm):
     ("n_local=100", "bad value for n_local: 100; expected a multiple of block_size (128)"),
     ("ratio_mode=diagonal", "bad value for ratio_mode: 'diagonal'"),
     ("threshold=1.5", "bad value for threshold: 1.5"),
-    ("decode_retrieval=all", "bad value for decode_retrieval: 'all'"),
 ])
 def test_bad_settings_are_one_line(setting, message, capsys, monkeypatch, tmp_path):
     doc = tmp_path / "doc.txt"

@@ -174,7 +174,6 @@ class LtriCache(StaticKVCache):
         super().__init__(config, capacity, [LtriLayer(self, **spec) for spec in specs])
         self.indexer = indexer
         self.chunk_votes: list[tuple[float, torch.Tensor]] = []
-        self.chunk_scores: dict[int, torch.Tensor] = {}  # layer -> the chunk's voted block scores
         self.span_queue: list = []  # (layer, layer index, first block id, maps [k, block, block]) to divide
         self.stats = {"host_to_device_bytes": 0, "device_to_host_bytes": 0, "blocks_retrieved": 0,
                       "retrievals": 0, "spans": 0, "blocks_indexed": 0}
@@ -182,5 +181,4 @@ class LtriCache(StaticKVCache):
     def begin_chunk(self, offset: int, n: int) -> None:
         super().begin_chunk(offset, n)
         self.chunk_votes = []
-        self.chunk_scores = {}
         self.indexer.flush(self)

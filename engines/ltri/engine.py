@@ -64,9 +64,6 @@ class LtriConfig:
     compression: float | None = None  # target tokens per index vector: calibrate lam per layer (3.3.2)
     retrieval_heads: str = "auto"  # auto: identified once per model (Wu et al.) and cached; none: all heads
     voting: bool = True  # collaborative voting across retrieval-head layers
-    # Decode's blocks: "layer" keeps each layer's retrieval of the last prefill chunk (the question); "consensus"
-    # loads the top_k of all layers' summed scores into every layer (see Indexer.consensus).
-    decode_retrieval: str = "layer"
     # CPU context memory format: "model" (the model's dtype) or "fp8" (e4m3 with a scale per block and KV head:
     # half the host memory, for documents whose K/V outgrow the host, e.g. 1M tokens of an 8B model).
     context_memory: str = "model"
@@ -81,7 +78,6 @@ class LtriConfig:
             ("ratio_mode", self.ratio_mode in ("row", "col", "rowcol"), "row, col or rowcol"),
             ("retrieval_heads", self.retrieval_heads in ("auto", "none"), "auto or none"),
             ("context_memory", self.context_memory in ("model", "fp8"), "model or fp8"),
-            ("decode_retrieval", self.decode_retrieval in ("layer", "consensus"), "layer or consensus"),
             ("threshold", 0.0 < self.threshold < 1.0, "a quantile in (0, 1)"),
             ("iou", 0.0 < self.iou < 1.0, "a number in (0, 1)"),
             ("lam", self.lam > 0, "a number > 0"),
@@ -220,8 +216,6 @@ class LtriEngine(Engine):
 
     def _encode_question(self, state, question_ids, n_new):
         logits = super()._encode_question(state, question_ids, n_new)
-        if self.config.decode_retrieval == "consensus":
-            self.indexer.consensus(state.cache)
         for layer in state.cache.layers:
             if layer.local_len + n_new > layer.local_cap:
                 raise ValueError(f"ltri-stream window has no room for {n_new} new tokens")

@@ -150,29 +150,10 @@ class Indexer:
             w = self.head_weights(layer_idx, query.device)
             qw = (qvec.float() * w[None, :, None]).view(qvec.shape[0], hkv, -1, qvec.shape[-1]).sum(dim=2)
             scores = self._vote(layer_idx, layer.index.block_scores(qw, n_blocks), cache)
-            cache.chunk_scores[layer_idx] = scores
             wanted = sorted(scores.topk(k).indices.tolist())
         cache.stats["host_to_device_bytes"] += layer.load_blocks(wanted)
         cache.stats["blocks_retrieved"] += k
         cache.stats["retrievals"] += 1
-
-    def consensus(self, cache: LtriCache) -> None:
-        """Decode retrieval shared by all layers: the last chunk's (the question's) block scores of every layer,
-        normalised and weighted as in voting, summed; its top_k blocks loaded into every retrieving layer.
-        A needle block that a later layer found then also reaches the earlier layers the decoded tokens
-        pass through first."""
-        if not cache.chunk_scores:
-            return
-        total = sum(self._layer_weight(i) * _normalised(s) for i, s in cache.chunk_scores.items())
-        wanted = sorted(total.topk(min(self.cfg.top_k, total.numel())).indices.tolist())
-        for layer in cache.layers:
-            if layer.retrieve and layer.is_initialized:
-                cache.stats["host_to_device_bytes"] += layer.load_blocks(wanted)
-
-    def _layer_weight(self, layer_idx: int) -> float:
-        if not self.heads:
-            return 1.0
-        return self.heads[layer_idx][1] if layer_idx in self.heads else 0.1
 
     def _vote(self, layer_idx: int, scores: torch.Tensor, cache: LtriCache) -> torch.Tensor:
         """Collaborative voting (3.5): this layer's normalised scores plus those of earlier retrieval-head
@@ -180,8 +161,10 @@ class Indexer:
         paper's retrieval-head cut-off)."""
         if not self.cfg.voting or not self.heads:
             return scores
-        own = _normalised(scores)
-        weight = self._layer_weight(layer_idx)
+        finite = torch.isfinite(scores)
+        lo, hi = scores[finite].min(), scores[finite].max()
+        own = torch.where(finite, (scores - lo) / (hi - lo).clamp(min=1e-6), 0.0)
+        weight = self.heads[layer_idx][1] if layer_idx in self.heads else 0.1
         total = weight * own + sum(w * s for w, s in cache.chunk_votes)
         if layer_idx in self.heads:
             cache.chunk_votes.append((weight, own))
@@ -212,10 +195,3 @@ class Indexer:
             "ltri_lambda": ", ".join(f"L{l}:{v:.1f}" for l, v in sorted(self.lams.items())) or None,
         }
         return {k: v for k, v in out.items() if v is not None}
-
-
-def _normalised(scores: torch.Tensor) -> torch.Tensor:
-    """Block scores mapped to [0, 1] (min-max over the finite ones; the others 0)."""
-    finite = torch.isfinite(scores)
-    lo, hi = scores[finite].min(), scores[finite].max()
-    return torch.where(finite, (scores - lo) / (hi - lo).clamp(min=1e-6), 0.0)
