@@ -120,6 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep-ratio", type=float, default=0.1)
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated context lengths")
     parser.add_argument("--pooling", default="mean", choices=("mean", "softmax"))
     parser.add_argument("--sweep-sparse", action="store_true", help="only sweep the sparse kernel's tiling")
     args = parser.parse_args()
@@ -139,7 +140,7 @@ def main() -> None:
             "rectify_attention_sdpa")
     print(f"{'shape':<13} {'length':>7} " + " ".join(f"{c[:16]:>16}" for c in cols) + "  speedup", flush=True)
     for shape in SHAPES:
-        for length in LENGTHS:
+        for length in map(int, args.lengths.split(",")):
             r = bench(shape, length, rule)
             rows.append(r)
             print(f"{shape:<13} {length:>7} " + " ".join(f"{r['ms'][c]:16.4f}" for c in cols)

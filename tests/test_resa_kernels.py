@@ -420,8 +420,32 @@ def test_sparse_step_in_a_cuda_graph_follows_length():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pooling", ["mean", "softmax"])
+def test_select_triton_resident_past_256k_tokens(pooling):
+    """A 256K-token document plus answer room (16,389 blocks) stays on the register-resident search."""
+    from kernels.block_select.triton import _RESIDENT_MAX, select_blocks_triton
+
+    L = 262144 + 77
+    assert -(-L // BS) <= _RESIDENT_MAX
+    q, _, _, kmax, kmin, length = _problem(1, 4, L, 128, torch.bfloat16)
+    rule = KeepRule(0.1, 16, 1, 1, pooling=pooling)
+    width = rule.keep(kmax.shape[2])
+    got = select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width, scale=128**-0.5).cpu()
+    scores = block_scores(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, local_blocks=1,
+                          sink_blocks=1, pooling=pooling, scale=128**-0.5)
+    n = -(-L // BS)
+    for h in range(2):
+        kept = got[0, h][got[0, h] >= 0].long()
+        assert kept.numel() == rule.keep(n) and {0, n - 1} <= set(kept.tolist())
+        dropped = torch.ones(n, dtype=torch.bool)
+        dropped[kept] = False
+        assert scores[0, h, kept].min() >= scores[0, h, :n][dropped].max() - 1e-3 * scores[0, h, kept].abs().min()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_select_triton_long_context_multipass():
-    """Past 16384 blocks the selection searches in passes over L2 instead of registers: same contract."""
+    """Past _RESIDENT_MAX blocks the selection searches in passes over L2 instead of registers: same contract."""
     from kernels.block_select.triton import _RESIDENT_MAX, select_blocks_triton
 
     L = (_RESIDENT_MAX + 3000) * BS + 5

@@ -22,8 +22,9 @@ from kernels.block_select.reference import KeepRule
 
 _SCORE_TILE = 64  # blocks per scoring program
 _SELECT_TILE = 2048  # scores per pass step of the selection program (long contexts)
-# Up to this many blocks (256K tokens of 16) one program holds a head's scores in registers for the search.
-_RESIDENT_MAX = 16384
+# Up to this many blocks (512K tokens of 16) one program holds a head's scores in registers for the search.
+# 16,384 was too tight: a 256K-token document plus its answer room (16,389 blocks) fell to the multipass kernel.
+_RESIDENT_MAX = 32768
 _LOG2E = 1.4426950408889634
 
 
