@@ -151,16 +151,6 @@ def test_voting_adds_earlier_retrieval_head_layers():
     assert indexer.head_weights(8, torch.device("cpu")).tolist() == [0.25] * 4
 
 
-def test_successor_boost_lifts_the_block_after_a_strong_one():
-    from engines.ltri.index import _boost_successors
-
-    scores = torch.tensor([0.0, 10.0, 1.0, 2.0, float("-inf"), 5.0])
-    boosted = _boost_successors(scores, 0.9)
-    # Normalised to [0, 1]; block 2 inherits 0.9 of block 1, block 4 (no index vectors) 0.9 of block 3.
-    assert boosted.tolist() == pytest.approx([0.0, 1.0, 0.9, 0.2, 0.18, 0.5])
-    assert boosted.topk(2).indices.tolist() == [1, 2] and scores.topk(2).indices.tolist() == [1, 5]
-
-
 def test_retrieval_slots_keep_blocks_already_loaded():
     from types import SimpleNamespace
 
@@ -274,7 +264,6 @@ def test_static_index_mode_runs(lm):
     ("n_local=100", "bad value for n_local: 100; expected a multiple of block_size (128)"),
     ("ratio_mode=diagonal", "bad value for ratio_mode: 'diagonal'"),
     ("threshold=1.5", "bad value for threshold: 1.5"),
-    ("successor_boost=2", "bad value for successor_boost: 2"),
 ])
 def test_bad_settings_are_one_line(setting, message, capsys, monkeypatch, tmp_path):
     doc = tmp_path / "doc.txt"

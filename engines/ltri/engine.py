@@ -64,8 +64,6 @@ class LtriConfig:
     compression: float | None = None  # target tokens per index vector: calibrate lam per layer (3.3.2)
     retrieval_heads: str = "auto"  # auto: identified once per model (Wu et al.) and cached; none: all heads
     voting: bool = True  # collaborative voting across retrieval-head layers
-    # Block b + 1 scores at least successor_boost x block b's (normalised) score; 0 = off (the paper's ranking).
-    successor_boost: float = 0.0
     # CPU context memory format: "model" (the model's dtype) or "fp8" (e4m3 with a scale per block and KV head:
     # half the host memory, for documents whose K/V outgrow the host, e.g. 1M tokens of an 8B model).
     context_memory: str = "model"
@@ -88,7 +86,6 @@ class LtriConfig:
             ("n_init", self.n_init % self.block_size == 0, f"a multiple of block_size ({self.block_size})"),
             ("n_local", self.n_local % self.block_size == 0, f"a multiple of block_size ({self.block_size})"),
             ("compression", self.compression is None or self.compression >= 1, "null or a number >= 1"),
-            ("successor_boost", 0.0 <= self.successor_boost <= 1.0, "a number in [0, 1]"),
         ]
         for name, ok, expected in checks:
             if not ok:

@@ -150,8 +150,6 @@ class Indexer:
             w = self.head_weights(layer_idx, query.device)
             qw = (qvec.float() * w[None, :, None]).view(qvec.shape[0], hkv, -1, qvec.shape[-1]).sum(dim=2)
             scores = self._vote(layer_idx, layer.index.block_scores(qw, n_blocks), cache)
-            if self.cfg.successor_boost:
-                scores = _boost_successors(scores, self.cfg.successor_boost)
             wanted = sorted(scores.topk(k).indices.tolist())
         cache.stats["host_to_device_bytes"] += layer.load_blocks(wanted)
         cache.stats["blocks_retrieved"] += k
@@ -198,13 +196,3 @@ class Indexer:
         }
         return {k: v for k, v in out.items() if v is not None}
 
-
-def _boost_successors(scores: torch.Tensor, boost: float) -> torch.Tensor:
-    """Scores (min-max normalised) where block b + 1 gets at least `boost` times block b's: text that matches
-    the query often runs on past its block's end (a needle's value after its key), and span division never
-    crosses a block boundary, so the continuation block would otherwise rank on its own merits alone."""
-    finite = torch.isfinite(scores)
-    lo, hi = scores[finite].min(), scores[finite].max()
-    norm = torch.where(finite, (scores - lo) / (hi - lo).clamp(min=1e-6), float("-inf"))
-    inherited = torch.cat([norm.new_full((1,), float("-inf")), boost * norm[:-1]])
-    return torch.maximum(norm, inherited)
