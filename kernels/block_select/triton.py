@@ -5,9 +5,9 @@
    head's scaled bounds and the tile's per-head max and sum of exponentials instead, and
    `_softmax_pool_kernel` (same grid) reduces those over the tiles and sums the heads' probabilities.
 2. `_block_topk_resident_kernel`, one program per (batch, kv head): finds the k-th largest score exactly by a
-   32-step binary search over the scores' order-preserving integer keys, held in registers (k is computed on
-   the device from `length`), then writes the blocks scoring above it, plus as many ties as needed (lowest
-   index first), in ascending order, and pads with -1. Past _RESIDENT_MAX blocks, `_block_topk_kernel` does
+   32-step binary search over the scores' order-preserving integer keys, held in registers as two
+   power-of-two parts (k is computed on the device from `length`), then writes the blocks scoring above it,
+   plus as many ties as needed (lowest index first), in ascending order, and pads with -1. Past _RESIDENT_MAX blocks, `_block_topk_kernel` does
    the same in passes over the scores (which stay in L2).
 """
 
@@ -149,34 +149,49 @@ def _block_topk_kernel(
 
 
 @triton.jit
+def _resident_keys(Row, offs, inside):
+    u = tl.load(Row + offs, mask=inside, other=float("-inf")).to(tl.int32, bitcast=True)
+    return u ^ ((u >> 31) & 0x7FFFFFFF)  # int32 with the order of the fp32 scores
+
+
+@triton.jit
 def _block_topk_resident_kernel(
     Scores, Length, Out, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
-    BLOCK: tl.constexpr, NB_PAD: tl.constexpr, W_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr,
 ):
-    """_block_topk_kernel for up to NB_PAD blocks: the scores are loaded once and searched in registers."""
+    """_block_topk_kernel for up to NB_MAIN + NB_REST blocks: the scores are loaded once and searched in
+    registers, as two power-of-two parts (16,389 blocks are 16,384 + 16 rather than 32,768)."""
     pid_bh = tl.program_id(0).to(tl.int64)
     b = pid_bh // n_kv_heads
     length = tl.load(Length + b).to(tl.int64)
     n_blocks = tl.cdiv(length, BLOCK)
     k = tl.maximum(tl.cdiv(n_blocks * ratio_num, ratio_den), tl.minimum(n_blocks, min_blocks))
-    offs = tl.arange(0, NB_PAD)
-    inside = offs < n_blocks
-    u = tl.load(Scores + pid_bh * n_blocks_cap + offs, mask=inside, other=float("-inf")).to(tl.int32, bitcast=True)
-    key = u ^ ((u >> 31) & 0x7FFFFFFF)  # int32 with the order of the fp32 scores
+    row = Scores + pid_bh * n_blocks_cap
+    offs_a = tl.arange(0, NB_MAIN)
+    offs_b = NB_MAIN + tl.arange(0, NB_REST)
+    in_a = offs_a < n_blocks
+    in_b = offs_b < n_blocks
+    key_a = _resident_keys(row, offs_a, in_a)
+    key_b = _resident_keys(row, offs_b, in_b)
     lo = tl.full([], -2147483648, tl.int64)
     hi = tl.full([], 2147483648, tl.int64)
     for _ in range(32):
         mid = (lo + hi) >> 1
-        enough = tl.sum(((key >= mid.to(tl.int32)) & inside).to(tl.int32), 0) >= k
+        m32 = mid.to(tl.int32)
+        count = tl.sum(((key_a >= m32) & in_a).to(tl.int32), 0) + tl.sum(((key_b >= m32) & in_b).to(tl.int32), 0)
+        enough = count >= k
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid)
     thr = lo.to(tl.int32)
-    gt = (key > thr) & inside
-    eq = (key == thr) & inside
-    take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= k - tl.sum(gt.to(tl.int32), 0)))
-    slot = tl.cumsum(take.to(tl.int32), 0) - 1
+    gt_a, eq_a = (key_a > thr) & in_a, (key_a == thr) & in_a
+    gt_b, eq_b = (key_b > thr) & in_b, (key_b == thr) & in_b
+    ties = k - tl.sum(gt_a.to(tl.int32), 0) - tl.sum(gt_b.to(tl.int32), 0)
+    take_a = gt_a | (eq_a & (tl.cumsum(eq_a.to(tl.int32), 0) <= ties))
+    take_b = gt_b | (eq_b & (tl.sum(eq_a.to(tl.int32), 0) + tl.cumsum(eq_b.to(tl.int32), 0) <= ties))
     out_row = Out + pid_bh * width
-    tl.store(out_row + slot, offs.to(tl.int32), mask=take)
+    tl.store(out_row + tl.cumsum(take_a.to(tl.int32), 0) - 1, offs_a.to(tl.int32), mask=take_a)
+    first_b = tl.sum(take_a.to(tl.int32), 0)
+    tl.store(out_row + first_b + tl.cumsum(take_b.to(tl.int32), 0) - 1, offs_b.to(tl.int32), mask=take_b)
     offs_w = tl.arange(0, W_PAD)
     tl.store(out_row + offs_w, tl.full([W_PAD], -1, tl.int32), mask=(offs_w >= k) & (offs_w < width))
 
@@ -224,11 +239,12 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                 num_warps=4,
             )
         if NB <= _RESIDENT_MAX:
-            nb_pad = max(16, triton.next_power_of_2(NB))
+            main = max(16, 1 << (NB.bit_length() - 1))
+            rest = max(16, triton.next_power_of_2(max(1, NB - main)))
             _block_topk_resident_kernel[(B * Hkv,)](
                 scores, length, out, NB, width, num, den, rule.min_blocks, Hkv,
-                BLOCK=block_size, NB_PAD=nb_pad, W_PAD=max(16, triton.next_power_of_2(width)),
-                num_warps=min(16, max(4, nb_pad // 1024)),
+                BLOCK=block_size, NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)),
+                num_warps=min(16, max(4, (main + rest) // 1024)),
             )
         else:
             _block_topk_kernel[(B * Hkv,)](
