@@ -195,4 +195,3 @@ class Indexer:
             "ltri_lambda": ", ".join(f"L{l}:{v:.1f}" for l, v in sorted(self.lams.items())) or None,
         }
         return {k: v for k, v in out.items() if v is not None}
-
