@@ -24,6 +24,7 @@ from engines.decoding import Sampler  # noqa: E402
 from longctx_cli.accuracy import PromptBuilder, _ids  # noqa: E402
 from longctx_cli.models import load_model  # noqa: E402
 from longctx_cli.profiles import resolve_profile  # noqa: E402
+from longctx_cli.report import run_stamp  # noqa: E402
 from longctx_cli.prompt import AnswerText  # noqa: E402
 from longctx_cli.tasks import generate, score  # noqa: E402
 
@@ -81,7 +82,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "retrieved"}), flush=True)
         print("   retrieved per layer:", retrieved, flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({**run_stamp(), "args": vars(args) | {"out": str(args.out)}, "rows": rows},
+                                       indent=1))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ captured attention mass per query head and the relative error of the attention o
     python benchmarks/resa_selection_study.py --tasks niah_single_3,niah_multivalue --length 4096 --samples 2
 
 Rules: `mean` the paper's (Quest's bound of the GQA group's mean query), `max` the largest per-head bound,
-`softmax` per-head softmax over the blocks' bounds summed over the group (NSA-style shared importance), and
+`softmax` per-head softmax over the blocks' bounds summed over the group (NSA-style shared importance),
+`maxnorm` the same without the softmax's denominator (exp of each bound less its head's best), and
 `oracle` the true attention mass per block summed over the group (needs every key: an upper bound, not a rule).
 """
 
@@ -30,6 +31,7 @@ from kernels.block_select import KeepRule  # noqa: E402
 from longctx_cli.accuracy import PromptBuilder, _ids  # noqa: E402
 from longctx_cli.models import load_model  # noqa: E402
 from longctx_cli.profiles import resolve_profile  # noqa: E402
+from longctx_cli.report import run_stamp  # noqa: E402
 from longctx_cli.prompt import AnswerText  # noqa: E402
 from longctx_cli.tasks import generate, score  # noqa: E402
 
@@ -152,9 +154,8 @@ def main() -> None:
         summary[name]["err_max_p90"] = round(sorted(v["err_max"] for v in vals)[int(0.9 * len(vals))], 4)
     print(json.dumps(summary, indent=1))
     if args.out:
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "summary": summary,
-                                        "scores": scores,
-                                        "rows": rec.rows}, indent=1, default=str))
+        args.out.write_text(json.dumps({**run_stamp(), "args": vars(args) | {"out": str(args.out)},
+                                        "summary": summary, "scores": scores, "rows": rec.rows}, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -58,12 +58,17 @@ def _weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _reserve(steps: int) -> int:
+    """Tokens measure() adds to the context: an 8-token question and WARMUP_STEPS + steps + 1 decoded."""
+    return 8 + WARMUP_STEPS + steps + 1
+
+
 def measure(engine, ids: torch.Tensor, steps: int) -> dict:
     """Prefill ids [N] (the context), ask 8 more tokens, decode WARMUP_STEPS + steps tokens; the row's fields."""
     gen = torch.Generator().manual_seed(1)
     question = torch.randint(int(ids.min()), int(ids.max()) + 1, (8,), generator=gen)
     reset_peaks()
-    state = engine.prefill(ids, reserve=8 + WARMUP_STEPS + steps + 1)
+    state = engine.prefill(ids, reserve=_reserve(steps))
     stream = engine.answer(state, question, WARMUP_STEPS + steps + 1, Sampler())
     times, last = [], None
     for i, _ in enumerate(stream):
@@ -89,7 +94,7 @@ def _out_of_memory(message: str, engine, model, length: int, steps: int) -> dict
     """The fields of a row whose run ran out of memory: the error, the engine's planned state and what was free."""
     gc.collect()
     dtype_bytes = next(model.parameters()).element_size()
-    planned = engine.memory_plan(model.config, length + 8 + WARMUP_STEPS + steps + 1, dtype_bytes, engine.config)
+    planned = engine.memory_plan(model.config, length + _reserve(steps), dtype_bytes, engine.config)
     row = {"out_of_memory": message,
            "planned_state_gib": planned / 2**30, "weights_gib": _weight_bytes(model) / 2**30}
     if torch.cuda.is_available():

@@ -139,3 +139,11 @@ def environment() -> dict:
     if torch.cuda.is_available():
         env["device"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     return env
+
+
+def run_stamp(command: str | None = None) -> dict:
+    """What a result file says about its run: the command line, the date (UTC) and the environment."""
+    import datetime as dt
+
+    return {"command": command or " ".join(["python3", *sys.argv]),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "environment": environment()}

@@ -2,8 +2,9 @@
 
 Per KV head, the query heads of its GQA group are averaged into one query q, and every block i gets Quest's
 upper bound on q.k over the block, sum_d max(q_d * kmax_id, q_d * kmin_id) (the paper's pooling; with
-softmax pooling each head's bounds are softmaxed over the blocks and summed over the group instead). The last `local_blocks` blocks
-are always kept (and the first `sink_blocks`, an option beyond the paper: attention-sink tokens), and
+softmax pooling each head's bounds are softmaxed over the blocks and summed over the group instead). The last
+`local_blocks` blocks are always kept (and the first `sink_blocks`, an option beyond the paper: attention-sink
+tokens), and
 k = max(ceil(n_blocks * keep_ratio), min(n_blocks, min_blocks)) blocks are kept in all.
 The result has a fixed width (static shapes: the k of the cache's capacity), holds the kept block indices in
 ascending order and is padded with -1. Triton on CUDA (no host sync, CUDA-graph safe), the reference elsewhere.

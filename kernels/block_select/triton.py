@@ -7,8 +7,8 @@
 2. `_block_topk_resident_kernel`, one program per (batch, kv head): finds the k-th largest score exactly by a
    32-step binary search over the scores' order-preserving integer keys, held in registers as two
    power-of-two parts (k is computed on the device from `length`), then writes the blocks scoring above it,
-   plus as many ties as needed (lowest index first), in ascending order, and pads with -1. Past _RESIDENT_MAX blocks, `_block_topk_kernel` does
-   the same in passes over the scores (which stay in L2).
+   plus as many ties as needed (lowest index first), in ascending order, and pads with -1. Past _RESIDENT_MAX
+   blocks, `_block_topk_kernel` does the same in passes over the scores (which stay in L2).
 """
 
 from __future__ import annotations
@@ -219,10 +219,13 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     softmax = rule.pooling == "softmax"
     n_tiles = triton.cdiv(NB, _SCORE_TILE)
     scores = torch.empty(B, Hkv, NB, device=q.device, dtype=torch.float32)
-    # Softmax pooling's scratch: each head's scaled bounds, and per tile each head's max and sum of exp2.
-    bounds = torch.empty(B, Hkv, group, NB if softmax else 1, device=q.device, dtype=torch.float32)
-    tile_max = torch.empty(B, Hkv, group, n_tiles if softmax else 1, device=q.device, dtype=torch.float32)
-    tile_sum = torch.empty_like(tile_max)
+    # Softmax pooling's scratch: each head's scaled bounds, and per tile each head's max and sum of exp2 (the
+    # mean pooling never touches them: `scores` stands in).
+    bounds = tile_max = tile_sum = scores
+    if softmax:
+        bounds = torch.empty(B, Hkv, group, NB, device=q.device, dtype=torch.float32)
+        tile_max = torch.empty(B, Hkv, group, n_tiles, device=q.device, dtype=torch.float32)
+        tile_sum = torch.empty_like(tile_max)
     out = torch.empty(B, Hkv, width, device=q.device, dtype=torch.int32)
     num, den = rule.ratio
     with launch_context(q.device):
