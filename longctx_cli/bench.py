@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as dt
 import gc
 import json
 import statistics
@@ -30,7 +29,7 @@ from longctx_cli import distributed
 from longctx_cli.errors import ConfigError, is_out_of_memory
 from longctx_cli.models import load_model
 from longctx_cli.plan import parse_count
-from longctx_cli.report import RANDOM_NOTE, environment, memory_snapshot, reset_peaks
+from longctx_cli.report import RANDOM_NOTE, memory_snapshot, reset_peaks, run_stamp
 
 err = Console(stderr=True)
 WARMUP_STEPS = 4
@@ -135,9 +134,8 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
                                            lengths.split(",")], samples=samples, seed=seed, depths=depths,
                                            max_new_tokens=profile.run.max_new_tokens, layout=layout,
                                            stop=profile.run.stop)
-        result = {"command": distributed.command(argv), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-                  "model": model or "gemma3-270m", "random_weights": lm.random_weights,
-                  "environment": environment(), "mode": "accuracy", "engine_settings": settings, **result}
+        result = {**run_stamp(distributed.command(argv)), "model": model or "gemma3-270m",
+                  "random_weights": lm.random_weights, "mode": "accuracy", "engine_settings": settings, **result}
         if lead:
             accuracy.render(result, f"accuracy: {result['model']}" + (f" ({RANDOM_NOTE})" if lm.random_weights else ""))
             if plot_path:
@@ -181,9 +179,8 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
                 row["roofline_ms"] = 1000 * read / bandwidth
                 row["roofline_ratio"] = row["decode_ms_per_token"] / row["roofline_ms"]
             rows.append(row)
-    result = {"command": distributed.command(argv), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-              "model": model or "gemma3-270m", "random_weights": lm.random_weights, "environment": environment(),
-              "engine_settings": settings, "hbm_bytes_per_s": bandwidth, "decode_steps": steps,
+    result = {**run_stamp(distributed.command(argv)), "model": model or "gemma3-270m",
+              "random_weights": lm.random_weights, "engine_settings": settings, "hbm_bytes_per_s": bandwidth, "decode_steps": steps,
               "warmup_tokens": "same" if warmup_tokens is None else warmup_tokens, "rows": rows}
     if lm.random_weights:
         result["note"] = RANDOM_NOTE
