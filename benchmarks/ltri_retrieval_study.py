@@ -36,6 +36,45 @@ def needle_blocks(tokenizer, prefix_len: int, document: str, needle: str, n_init
     return sorted({max(0, (p - n_init) // block) for p in (first, last)})
 
 
+def _rank(scores: torch.Tensor, wanted: list[int]) -> int:
+    """Worst 1-based rank among the wanted blocks (1 = best block)."""
+    stored = [b for b in wanted if b < scores.numel()]
+    return max(int((scores > scores[b]).sum()) + 1 for b in stored) if stored else 0
+
+
+def _needle_ranks(indexer, layer, layer_idx, query, key, scaling, cache, wanted) -> dict:
+    """Rank of the needle block(s) at the question chunk under block-scoring variants:
+    engine (the engine's query vectors, index vectors, voting), no_vote (without voting), all_q (every question
+    query instead of the span-picked ones), last_q (the last question token only), all_keys (query vectors
+    against every key of the block: no index loss), oracle (attention mass of the question's last query on the
+    block, softmax over all stored keys; retrieval head, else all heads)."""
+    n_blocks = layer.memory.n_blocks
+    hkv = key.shape[1]
+    w = indexer.head_weights(layer_idx, query.device)
+
+    def weighted(q):  # [A, Hq, D] -> [A, Hkv, D]
+        return (q.float() * w[None, :, None]).view(q.shape[0], hkv, -1, q.shape[-1]).sum(dim=2)
+
+    qvec = indexer._query_vectors(layer, layer_idx, query, key, scaling)
+    allq = query[0].transpose(0, 1)
+    keys = layer.memory.keys.used.float()  # [n, Hkv, block, D]
+    own = layer.index.block_scores(weighted(qvec), n_blocks)[0]
+    scores = {}
+    finite = torch.isfinite(own)
+    norm = torch.where(finite, (own - own[finite].min()) / (own[finite].max() - own[finite].min()).clamp(min=1e-6), 0.0)
+    weight = indexer.heads[layer_idx][1] if layer_idx in indexer.heads else 0.1
+    scores["engine"] = weight * norm + sum(wt * sc for wt, sc in cache.chunk_votes)
+    scores["no_vote"] = own
+    scores["all_q"] = layer.index.block_scores(weighted(allq), n_blocks)[0]
+    scores["last_q"] = layer.index.block_scores(weighted(allq[-1:]), n_blocks)[0]
+    scores["all_keys"] = torch.einsum("akd,nkbd->anb", weighted(qvec), keys).amax(dim=(0, 2))
+    last = query[0, :, -1].float()  # [Hq, D]
+    logits = torch.einsum("hd,nhbd->hnb", last, keys.repeat_interleave(query.shape[1] // hkv, dim=1)) * scaling
+    mass = torch.softmax(logits.flatten(1), dim=-1).view(logits.shape).sum(dim=-1)  # [Hq, n]
+    scores["oracle"] = (w[:, None] * mass).sum(dim=0)
+    return {name: _rank(s, wanted) for name, s in scores.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="niah_single_3")
@@ -43,6 +82,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE profile overrides")
+    parser.add_argument("--inject", default="",
+                        help="comma-separated layer ids: force the needle blocks into these layers' question "
+                             "retrieval (the paper's mandatory evidence injection, appendix A); 'all' for every layer")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="at the question chunk, rank the needle block under several block-scoring variants")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -55,12 +99,43 @@ def main() -> None:
     cfg = prof.engine_config
     engine = ENGINES["ltri-stream"](lm, cfg, prof.run)
     builder = PromptBuilder(lm.tokenizer, "auto", [])
+    forced: list[int] = []
+    if args.inject:
+        vote = engine.indexer._vote
+        layers = None if args.inject == "all" else {int(x) for x in args.inject.split(",")}
+
+        def injected(layer_idx, scores, cache):
+            scores = vote(layer_idx, scores, cache)
+            if forced and (layers is None or layer_idx in layers):
+                scores = scores.clone()
+                stored = [b for b in forced if b < scores.numel()]  # blocks still in the window need no help
+                scores[stored] = scores.max() + 1.0
+            return scores
+        engine.indexer._vote = injected
+    diagnosis: dict = {}
+    if args.diagnose:
+        retrieve = engine.indexer.retrieve
+
+        def diagnosed(layer, layer_idx, query, key, scaling, cache):
+            if forced_question and layer.memory.n_blocks > cfg.top_k:
+                diagnosis[layer_idx] = _needle_ranks(engine.indexer, layer, layer_idx, query, key, scaling, cache,
+                                                     forced_question)
+            return retrieve(layer, layer_idx, query, key, scaling, cache)
+        engine.indexer.retrieve = diagnosed
+    forced_question: list[int] = []
     rows = []
     for sample in generate(args.task, args.length, args.samples, lm.tokenizer, seed=0, budget=128,
                            overhead=builder.overhead()):
         doc = torch.cat([builder.prefix, _ids(lm.tokenizer, sample.document)])
         tail = builder.tail(sample.question, sample.answer_prefix)
+        needles = [needle_blocks(lm.tokenizer, builder.prefix.numel(), sample.document, n, cfg.n_init,
+                                 cfg.block_size) for n in sample.expected]
+        wanted = sorted({b for blocks in needles for b in blocks})
+        forced.clear()
         state = engine.prefill(doc, reserve=tail.numel() + 128)
+        forced.extend(wanted)  # the question chunk only: decoding keeps its retrieval
+        forced_question[:] = wanted
+        diagnosis.clear()
         text = AnswerText(lm.tokenizer, builder.stop_strings, builder.stop_ids)
         stream = engine.answer(state, tail, 128, Sampler())
         for token in stream:
@@ -71,9 +146,6 @@ def main() -> None:
         # The blocks decoding read: each retrieving layer's slots after the question.
         retrieved = {i: [b for b in layer.slots if b >= 0] for i, layer in enumerate(state.cache.layers)
                      if layer.retrieve}
-        needles = [needle_blocks(lm.tokenizer, builder.prefix.numel(), sample.document, n, cfg.n_init,
-                                 cfg.block_size) for n in sample.expected]
-        wanted = sorted({b for blocks in needles for b in blocks})
         covered = {layer: all(b in got for b in wanted) for layer, got in retrieved.items()}
         row = {"index": sample.index, "depths": sample.depths, "score": 100 * score(sample, text.text),
                "answer": text.text.strip()[:80], "expected": sample.expected, "needle_blocks": needles,
@@ -81,6 +153,10 @@ def main() -> None:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "retrieved"}), flush=True)
         print("   retrieved per layer:", retrieved, flush=True)
+        if diagnosis:
+            row["needle_rank"] = dict(diagnosis)
+            for layer_idx, ranks in diagnosis.items():
+                print(f"   layer {layer_idx} needle rank:", ranks, flush=True)
     if args.out:
         args.out.write_text(json.dumps({**run_stamp(), "args": vars(args) | {"out": str(args.out)}, "rows": rows},
                                        indent=1))

@@ -119,6 +119,59 @@ def test_allocation_serves_spans_best_first_within_the_block_bounds():
     assert sp.allocate([quiet], votes, 3.0, 4, 12) == [28, 29, 30, 31]
 
 
+def test_slot_ranges_follow_the_allocation_bounds():
+    best, second = sp.Span(0, 9, 5.0, 0.8), sp.Span(20, 31, 3.0, 1.0)  # Eq. 7: 5 and 12 vectors
+    assert sp.slot_ranges([best, second], 3.0, 4, 100, 32) == [(0, 9)] * 5 + [(20, 31)] * 12
+    assert sp.slot_ranges([best, second], 3.0, 4, 8, 32) == [(0, 9)] * 5 + [(20, 31)] * 3
+    assert sp.slot_ranges([sp.Span(0, 31, 1.0, 0.01)], 3.0, 4, 12, 32) == [(0, 31)] * 4  # topped up
+
+
+def _cover_brute(keys, votes, ranges):
+    """One block at a time, in plain Python: the definition `sp.cover` batches."""
+    picks = []
+    for s, (lo, hi) in enumerate(ranges):
+        free = [t for t in range(lo, hi + 1) if t not in picks]
+        if not free:
+            picks.append(-1)
+            continue
+        if not [p for p in picks if p >= 0]:
+            picks.append(max(free, key=lambda t: (votes[t].item(), -t)))
+            continue
+        def far(t):
+            return min(((keys[t] - keys[p]) ** 2).sum().item() for p in picks if p >= 0)
+        picks.append(max(free, key=lambda t: (far(t), -t)))
+    return picks
+
+
+def test_cover_equals_brute_force_farthest_point_sampling():
+    g = torch.Generator().manual_seed(42)
+    keys = torch.randn(3, 40, 6, generator=g)
+    votes = torch.rand(3, 40, generator=g)
+    ranges = [[(0, 9)] * 4 + [(20, 39)] * 6, [(5, 7)] * 5 + [(0, 39)] * 2 + [(0, -1)] * 3, [(0, 39)] * 3 + [(0, -1)] * 7]
+    got = sp.cover(keys, votes, torch.tensor(ranges))
+    for i in range(3):
+        assert got[i].tolist() == _cover_brute(keys[i], votes[i], ranges[i])
+    assert got[1, 3].item() == -1 and got[1, 4].item() == -1  # a 3-token range holds 3 picks
+    assert (got[1, 5:7] >= 0).all() and (got[1, 7:] == -1).all()
+    assert (got[2, 3:] == -1).all()  # padding slots stay empty
+
+
+def test_cover_keeps_the_key_a_question_matches_where_votes_do_not():
+    """A block whose most-attended tokens are near copies of one key (a UUID's characters, say) and one odd key
+    that a query matches: the most-voted picks miss it, farthest-point sampling takes it."""
+    g = torch.Generator().manual_seed(0)
+    common = torch.randn(8, generator=g)
+    keys = common + 0.05 * torch.randn(32, 8, generator=g)
+    keys[17] = -3 * common  # the odd one
+    votes = torch.linspace(1, 2, 32)
+    votes[17] = 0.0
+    by_votes = sp.allocate([sp.Span(0, 31, 1.0, 1.0)], votes, 3.0, 4, 4)
+    by_cover = sp.cover(keys[None], votes[None], torch.tensor([[(0, 31)] * 4]))[0].tolist()
+    assert 17 not in by_votes and 17 in by_cover
+    query = -common
+    assert (keys[by_cover] @ query).max() == (keys @ query).max()
+
+
 def test_lambda_calibration_picks_the_smallest_that_compresses_enough():
     lengths = torch.tensor([32.0, 16.0, 64.0, 8.0] * 10)
     conf = torch.tensor([0.9, 0.5, 0.7, 0.95] * 10)
@@ -149,6 +202,37 @@ def test_voting_adds_earlier_retrieval_head_layers():
     assert plain.tolist() == pytest.approx([0.1, 0.45, 0.9]) and len(cache.chunk_votes) == 1
     assert indexer.head_weights(11, torch.device("cpu")).tolist() == [0.0, 0.0, 1.0, 0.0]
     assert indexer.head_weights(8, torch.device("cpu")).tolist() == [0.25] * 4
+
+
+def test_block_scores_report_where_each_block_matched():
+    from engines.ltri.memory import IndexMemory
+
+    index = IndexMemory(1, 2, torch.float32, torch.device("cpu"))
+    vectors = torch.tensor([[1.0, 0.0], [0.0, 1.5], [2.0, 0.0], [0.0, 3.0]])[:, None]  # [4, Hkv=1, 2]
+    index.add(vectors, torch.tensor([0, 0, 1, 2]), torch.tensor([5, 30, 7, 0]))
+    scores, where = index.block_scores(torch.tensor([[[0.0, 1.0]], [[1.0, 0.0]]]), 4)
+    assert scores.tolist() == [1.5, 2.0, 3.0, float("-inf")]
+    assert where.tolist() == [30, 7, 0, -1]  # block 0: its second vector (offset 30) scored it
+
+
+def test_a_block_matched_in_its_tail_brings_its_successor():
+    from types import SimpleNamespace
+
+    from engines.ltri import LtriConfig
+    from engines.ltri.index import Indexer
+
+    cache = SimpleNamespace(stats={"successors": 0})
+    indexer = Indexer(LtriConfig(block_size=128, successor_tail=32), SimpleNamespace(num_attention_heads=4))
+    scores = torch.tensor([0.1, 0.9, 0.2, 0.8, 0.3, 0.7])
+    where = torch.tensor([0, 100, 0, 10, 0, 127])  # block 1 matched at 100 (tail: >= 96), block 3 at 10
+    assert indexer._with_successors(scores, where, 3, 128, cache) == [1, 2, 3]  # 2 displaces block 5
+    assert cache.stats["successors"] == 1
+    assert indexer._with_successors(scores, where, 2, 128, cache) == [1, 2]
+    # The last stored block has no successor in memory (the next one is still in the window).
+    assert indexer._with_successors(scores, where, 1, 128, cache) == [1]
+    assert indexer._with_successors(torch.tensor([0.0, 1.0]), torch.tensor([0, 120]), 2, 128, cache) == [0, 1]
+    indexer.cfg.successor_tail = 0
+    assert indexer._with_successors(scores, where, 3, 128, cache) == [1, 3, 5]
 
 
 def test_retrieval_slots_keep_blocks_already_loaded():
@@ -264,6 +348,8 @@ def test_static_index_mode_runs(lm):
     ("n_local=100", "bad value for n_local: 100; expected a multiple of block_size (128)"),
     ("ratio_mode=diagonal", "bad value for ratio_mode: 'diagonal'"),
     ("threshold=1.5", "bad value for threshold: 1.5"),
+    ("pick=random", "bad value for pick: 'random'; expected votes or cover"),
+    ("successor_tail=200", "bad value for successor_tail: 200; expected 0 to block_size (128)"),
 ])
 def test_bad_settings_are_one_line(setting, message, capsys, monkeypatch, tmp_path):
     doc = tmp_path / "doc.txt"

@@ -61,6 +61,15 @@ class LtriConfig:
     # embedded model (niah_single_2 at 4K, 1408-row budget, 5 samples: 1 of 5 vs 4 of 5 with 12 and 48).
     min_vectors: int = 12
     max_vectors: int = 48
+    # Which tokens of a span become its index vectors: "votes" (the paper: the most-attended ones) or "cover"
+    # (ours: farthest-point samples of the keys, same count per span). On the embedded model the votes of the
+    # first global layer went to a UUID's characters and lost the words the question matches: at the question
+    # the needle's block ranked 12th-25th there against 1st with all of the block's keys (4K, 1,408-row budget).
+    pick: str = "cover"
+    # A retrieved block whose best match lies in its last successor_tail tokens brings the next block along
+    # (ours; 0: off): 4 of 10 UUID needles at 4K straddled two 128-token blocks, and the question only matched
+    # the first (its key), never the value's remainder in the second.
+    successor_tail: int = 32
     compression: float | None = None  # target tokens per index vector: calibrate lam per layer (3.3.2)
     retrieval_heads: str = "auto"  # auto: identified once per model (Wu et al.) and cached; none: all heads
     voting: bool = True  # collaborative voting across retrieval-head layers
@@ -75,6 +84,7 @@ class LtriConfig:
                                  f"{0 if name == 'n_init' else 1}")
         checks = [
             ("index", self.index in ("dynamic", "static"), "dynamic or static"),
+            ("pick", self.pick in ("votes", "cover"), "votes or cover"),
             ("ratio_mode", self.ratio_mode in ("row", "col", "rowcol"), "row, col or rowcol"),
             ("retrieval_heads", self.retrieval_heads in ("auto", "none"), "auto or none"),
             ("context_memory", self.context_memory in ("model", "fp8"), "model or fp8"),
@@ -85,6 +95,7 @@ class LtriConfig:
             ("max_vectors", self.max_vectors >= self.min_vectors, f"an integer >= min_vectors ({self.min_vectors})"),
             ("n_init", self.n_init % self.block_size == 0, f"a multiple of block_size ({self.block_size})"),
             ("n_local", self.n_local % self.block_size == 0, f"a multiple of block_size ({self.block_size})"),
+            ("successor_tail", 0 <= self.successor_tail <= self.block_size, f"0 to block_size ({self.block_size})"),
             ("compression", self.compression is None or self.compression >= 1, "null or a number >= 1"),
         ]
         for name, ok, expected in checks:

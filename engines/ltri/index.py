@@ -1,7 +1,8 @@
 """The index side of `ltri-stream`: span index vectors in, block retrieval out (sections 3.3-3.5).
 
 One Indexer per engine; its per-document state (lam calibration samples, counters) is reset by prefill.
-Span scoring runs on the maps' device (engines/ltri/spans.py); the host does the NMS and picks index vectors.
+Span scoring runs on the maps' device (engines/ltri/spans.py); the host does the NMS; index vectors are picked
+on the host by votes (the paper) or on the device by farthest-point sampling of the keys (`pick: cover`).
 Stored-side span division is queued per layer and run once per chunk for all layers (`flush`).
 """
 
@@ -100,15 +101,41 @@ class Indexer:
             self.flush(cache)  # a chunk longer than the window evicts blocks it completed itself
         keys, values, votes = layer.take_oldest(n * layer.block)
         cache.stats["device_to_host_bytes"] += layer.memory.add(keys, values)
-        votes = votes.cpu()
-        rows, blocks = [], []
-        for i in range(n):
-            picked = self._pick(layer, layer_idx, first + i, votes[i * layer.block:(i + 1) * layer.block])
-            rows.extend(i * layer.block + r for r in picked)
-            blocks.extend([first + i] * len(picked))
-        index = torch.tensor(rows, dtype=torch.long, device=keys.device)
-        layer.index.add(keys[:, index].transpose(0, 1), torch.tensor(blocks, dtype=torch.long, device=keys.device))
+        if self.cfg.index == "dynamic" and self.cfg.pick == "cover":
+            index, blocks = self._cover(layer, layer_idx, first, keys, votes)
+        else:
+            votes = votes.cpu()
+            rows, ids = [], []
+            for i in range(n):
+                picked = self._pick(layer, layer_idx, first + i, votes[i * layer.block:(i + 1) * layer.block])
+                rows.extend(i * layer.block + r for r in picked)
+                ids.extend([first + i] * len(picked))
+            index = torch.tensor(rows, dtype=torch.long, device=keys.device)
+            blocks = torch.tensor(ids, dtype=torch.long, device=keys.device)
+        layer.index.add(keys[:, index].transpose(0, 1), blocks, index % layer.block)
         cache.stats["blocks_indexed"] += n
+
+    def _cover(self, layer: LtriLayer, layer_idx: int, first: int, keys: torch.Tensor, votes: torch.Tensor):
+        """`pick: cover` for the n blocks leaving together: each span's Eq. 7 count, picked by farthest-point
+        sampling of the keys (of the retrieval head's KV head when the layer has one, the head retrieval
+        scores), batched on the device. keys: [Hkv, n * block, D]. Returns rows into keys and their block ids."""
+        b = layer.block
+        n = keys.shape[1] // b
+        ranges = []
+        for i in range(n):
+            found = layer.pending.pop(first + i, None) or [sp.Span(0, b - 1, 0.0, 1.0)]
+            ranges.append(sp.slot_ranges(found, self.lam(layer_idx), self.cfg.min_vectors, self.cfg.max_vectors, b))
+        width = max(map(len, ranges))
+        table = torch.tensor([r + [(0, -1)] * (width - len(r)) for r in ranges], dtype=torch.long).view(n, width, 2)
+        feats = keys
+        if layer_idx in self.heads:
+            group = self.n_heads // keys.shape[0]
+            feats = keys[self.heads[layer_idx][0] // group][None]
+        feats = feats.view(feats.shape[0], n, b, -1).permute(1, 2, 0, 3).flatten(2)  # [n, block, Hkv' * D]
+        picks = sp.cover(feats, votes.view(n, b), table.to(keys.device))
+        offsets = torch.arange(n, device=keys.device)[:, None] * b
+        keep = picks >= 0
+        return (picks + offsets)[keep], (offsets // b + first).expand_as(picks)[keep]
 
     def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling) -> torch.Tensor:
         """The chunk's query index vectors [A, Hq, D]: its own causal map, block by block,
@@ -149,11 +176,34 @@ class Indexer:
             hkv = key.shape[1]
             w = self.head_weights(layer_idx, query.device)
             qw = (qvec.float() * w[None, :, None]).view(qvec.shape[0], hkv, -1, qvec.shape[-1]).sum(dim=2)
-            scores = self._vote(layer_idx, layer.index.block_scores(qw, n_blocks), cache)
-            wanted = sorted(scores.topk(k).indices.tolist())
+            scores, where = layer.index.block_scores(qw, n_blocks)
+            scores = self._vote(layer_idx, scores, cache)
+            wanted = self._with_successors(scores, where, k, layer.block, cache)
         cache.stats["host_to_device_bytes"] += layer.load_blocks(wanted)
         cache.stats["blocks_retrieved"] += k
         cache.stats["retrievals"] += 1
+
+    def _with_successors(self, scores: torch.Tensor, where: torch.Tensor, k: int, block: int,
+                         cache: LtriCache) -> list[int]:
+        """The k blocks to load, best first; a block whose best-matching index vector lies in its last
+        `successor_tail` tokens brings the next block along, right after it: what the question matches there
+        (a needle's key) may continue past the block boundary (its value), which no query of the question
+        resembles. Sorted block ids."""
+        top = scores.topk(k).indices.tolist()
+        tail = self.cfg.successor_tail
+        if not tail:
+            return sorted(top)
+        where = where[top].tolist()
+        wanted: list[int] = []
+        for b, w in zip(top, where):
+            if len(wanted) >= k:
+                break
+            if b not in wanted:
+                wanted.append(b)
+            if w >= block - tail and b + 1 < scores.numel() and b + 1 not in wanted and len(wanted) < k:
+                wanted.append(b + 1)
+                cache.stats["successors"] += 1
+        return sorted(wanted)
 
     def _vote(self, layer_idx: int, scores: torch.Tensor, cache: LtriCache) -> torch.Tensor:
         """Collaborative voting (3.5): this layer's normalised scores plus those of earlier retrieval-head
@@ -188,6 +238,7 @@ class Indexer:
             "ltri_spans_per_block": round(stats["spans"] / blocks, 2) if blocks and stats["spans"] else None,
             "ltri_blocks_retrieved_per_chunk": round(stats["blocks_retrieved"] / stats["retrievals"], 1)
             if stats["retrievals"] else 0,
+            "ltri_successors_loaded": stats["successors"],
             "ltri_host_to_device_bytes": stats["host_to_device_bytes"],
             "ltri_device_to_host_bytes": stats["device_to_host_bytes"],
             "ltri_retrieval_heads": ", ".join(f"L{l}:h{h} ({s:.2f})" for l, (h, s) in sorted(self.heads.items()))

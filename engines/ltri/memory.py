@@ -113,21 +113,28 @@ class IndexMemory:
     def __init__(self, heads: int, dim: int, dtype: torch.dtype, device: torch.device):
         self.vectors = _Growable((heads, dim), dtype, device, False, capacity=256)
         self.block = _Growable((), torch.long, device, False, capacity=256)
+        self.offset = _Growable((), torch.long, device, False, capacity=256)  # token of the vector in its block
 
     @property
     def n(self) -> int:
         return self.vectors.n
 
-    def add(self, vectors: torch.Tensor, blocks: torch.Tensor) -> None:
+    def add(self, vectors: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
         self.vectors.append(vectors)
         self.block.append(blocks)
+        self.offset.append(offsets)
 
-    def block_scores(self, query: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    def block_scores(self, query: torch.Tensor, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """query: [A, Hkv, D] head-weighted query vectors -> [n_blocks] best dot product of any vector of the
-        block with any query vector (blocks without vectors: -inf)."""
+        block with any query vector (blocks without vectors: -inf), and [n_blocks] the offset in its block of
+        the vector that scored it (-1: none)."""
         sims = torch.einsum("akd,nkd->an", query.float(), self.vectors.used.float()).amax(dim=0)
+        block = self.block.used
         out = torch.full((n_blocks,), float("-inf"), dtype=torch.float32, device=sims.device)
-        return out.scatter_reduce(0, self.block.used, sims, reduce="amax")
+        out = out.scatter_reduce(0, block, sims, reduce="amax")
+        best = torch.where(sims == out[block], self.offset.used, -1)
+        where = torch.full((n_blocks,), -1, dtype=torch.long, device=sims.device)
+        return out, where.scatter_reduce(0, block, best, reduce="amax")
 
     def nbytes(self) -> int:
-        return self.vectors.nbytes() + self.block.nbytes()
+        return self.vectors.nbytes() + self.block.nbytes() + self.offset.nbytes()

@@ -21,6 +21,9 @@ text; what follows is our reading of its prose, stated where it is a choice:
 - Bounds: min_vectors and max_vectors (appendix B: 4 and 12, "M = 12") bound a block's vectors in total;
   spans are served best first until the block holds max_vectors, and a block with fewer than min_vectors is
   topped up with its most-voted remaining tokens.
+- Which tokens of a span (`pick`): the paper's most-voted ones (`allocate`), or farthest-point samples of the
+  keys (`cover`, ours: the same count per span; on the embedded model votes favoured a UUID's characters
+  over the words the question matches, and the first global layer lost the needle's block).
 """
 
 from __future__ import annotations
@@ -195,6 +198,49 @@ def allocate(found: list[Span], votes: torch.Tensor, lam: float, lo: int, hi: in
         rest = [r for r in np.argsort(-votes, kind="stable").tolist() if r not in rows]
         rows.extend(rest[: lo - len(rows)])
     return sorted(rows)
+
+
+def slot_ranges(found: list[Span], lam: float, lo: int, hi: int, n: int) -> list[tuple[int, int]]:
+    """The token range [start, end] of each index vector of an n-token block, in picking order: Eq. 7's count
+    for every span, best span first, at most hi in all; then whole-block slots up to lo (`allocate`'s bounds)."""
+    out: list[tuple[int, int]] = []
+    for span in found:
+        k = span_count(span.length, span.confidence, lam)
+        out.extend([(span.start, span.end)] * min(k, 1) + [(0, n - 1)] * (k - 1))
+        if len(out) >= hi:
+            break
+    out = out[:hi]
+    return out + [(0, n - 1)] * max(0, min(lo, n) - len(out))
+
+
+def cover(keys: torch.Tensor, votes: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
+    """Index rows picked by farthest-point sampling of the keys, batched over blocks, on their device.
+
+    keys: [m, n, F]; votes: [m, n]; ranges: [m, S, 2] inclusive token range of each slot (end < start: no
+    slot). Returns [m, S] rows (-1: slot empty or its range used up). A block's first pick is the most-voted
+    token of its first slot's range; every later pick is the unpicked token of its slot's range farthest
+    (Euclidean) from all picks so far. The largest dot product of any query with the picked keys then tracks
+    the one over all keys (a linear function peaks at extreme points), which votes alone do not: keys that
+    answer a question are often not the ones the document itself attends to.
+    """
+    m, n, _ = keys.shape
+    keys, votes = keys.float(), votes.float()
+    pos = torch.arange(n, device=keys.device)
+    allowed = (pos >= ranges[..., :1]) & (pos <= ranges[..., 1:])  # [m, S, n]
+    picks = torch.full(ranges.shape[:2], -1, dtype=torch.long, device=keys.device)
+    chosen = torch.zeros(m, n, dtype=torch.bool, device=keys.device)
+    dist = torch.full((m, n), float("inf"), device=keys.device)
+    rows = torch.arange(m, device=keys.device)
+    for s in range(ranges.shape[1]):
+        ok = allowed[:, s] & ~chosen
+        crit = torch.where(chosen.any(dim=1, keepdim=True), dist, votes).masked_fill(~ok, float("-inf"))
+        best = crit.argmax(dim=1)
+        found = ok.any(dim=1)
+        picks[:, s] = torch.where(found, best, -1)
+        chosen[rows, best] |= found
+        step = (keys - keys[rows, best][:, None]).square().sum(dim=-1)
+        dist = torch.where(found[:, None], torch.minimum(dist, step), dist)
+    return picks
 
 
 def calibrate_lambda(lengths: torch.Tensor, confidence: torch.Tensor, target: float,
