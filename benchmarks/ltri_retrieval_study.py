@@ -44,7 +44,8 @@ def _rank(scores: torch.Tensor, wanted: list[int]) -> int:
 
 def _needle_ranks(indexer, layer, layer_idx, query, key, scaling, cache, wanted) -> dict:
     """Rank of the needle block(s) at the question chunk under block-scoring variants:
-    engine (the engine's query vectors, index vectors, voting), no_vote (without voting), all_q (every question
+    engine (the engine's query vectors, index vectors, voting), no_vote (without voting), sum (no_vote's vectors,
+    each query vector's best match in the block summed, ColBERT's late interaction), all_q (every question
     query instead of the span-picked ones), last_q (the last question token only), all_keys (query vectors
     against every key of the block: no index loss), oracle (attention mass of the question's last query on the
     block, softmax over all stored keys; retrieval head, else all heads)."""
@@ -67,6 +68,10 @@ def _needle_ranks(indexer, layer, layer_idx, query, key, scaling, cache, wanted)
     scores["no_vote"] = own
     scores["all_q"] = layer.index.block_scores(weighted(allq), n_blocks)[0]
     scores["last_q"] = layer.index.block_scores(weighted(allq[-1:]), n_blocks)[0]
+    sims = torch.einsum("akd,nkd->an", weighted(qvec), layer.index.vectors.used.float())  # [A, N]
+    per_block = torch.full((sims.shape[0], n_blocks), float("-inf"))
+    per_block = per_block.scatter_reduce(1, layer.index.block.used.expand_as(sims), sims, reduce="amax")
+    scores["sum"] = per_block.clamp(min=0).sum(dim=0)  # ColBERT-style: each query vector's best match, summed
     scores["all_keys"] = torch.einsum("akd,nkbd->anb", weighted(qvec), keys).amax(dim=(0, 2))
     last = query[0, :, -1].float()  # [Hq, D]
     logits = torch.einsum("hd,nhbd->hnb", last, keys.repeat_interleave(query.shape[1] // hkv, dim=1)) * scaling

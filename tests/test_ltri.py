@@ -121,8 +121,9 @@ def test_allocation_serves_spans_best_first_within_the_block_bounds():
 
 def test_slot_ranges_follow_the_allocation_bounds():
     best, second = sp.Span(0, 9, 5.0, 0.8), sp.Span(20, 31, 3.0, 1.0)  # Eq. 7: 5 and 12 vectors
-    assert sp.slot_ranges([best, second], 3.0, 4, 100, 32) == [(0, 9)] * 5 + [(20, 31)] * 12
-    assert sp.slot_ranges([best, second], 3.0, 4, 8, 32) == [(0, 9)] * 5 + [(20, 31)] * 3
+    # A span's first vector from inside it, its others from the whole block.
+    assert sp.slot_ranges([best, second], 3.0, 4, 100, 32) == [(0, 9)] + [(0, 31)] * 4 + [(20, 31)] + [(0, 31)] * 11
+    assert sp.slot_ranges([best, second], 3.0, 4, 8, 32) == [(0, 9)] + [(0, 31)] * 4 + [(20, 31)] + [(0, 31)] * 2
     assert sp.slot_ranges([sp.Span(0, 31, 1.0, 0.01)], 3.0, 4, 12, 32) == [(0, 31)] * 4  # topped up
 
 

@@ -61,8 +61,8 @@ class LtriConfig:
     # embedded model (niah_single_2 at 4K, 1408-row budget, 5 samples: 1 of 5 vs 4 of 5 with 12 and 48).
     min_vectors: int = 12
     max_vectors: int = 48
-    # Which tokens of a span become its index vectors: "votes" (the paper: the most-attended ones) or "cover"
-    # (ours: farthest-point samples of the keys, same count per span). On the embedded model the votes of the
+    # Which tokens become index vectors: "votes" (the paper: each span's most-attended ones) or "cover" (ours:
+    # farthest-point samples of the block's keys, one inside each span, the same count per block). On the embedded model the votes of the
     # first global layer went to a UUID's characters and lost the words the question matches: at the question
     # the needle's block ranked 12th-25th there against 1st with all of the block's keys (4K, 1,408-row budget).
     pick: str = "cover"

@@ -116,9 +116,9 @@ class Indexer:
         cache.stats["blocks_indexed"] += n
 
     def _cover(self, layer: LtriLayer, layer_idx: int, first: int, keys: torch.Tensor, votes: torch.Tensor):
-        """`pick: cover` for the n blocks leaving together: each span's Eq. 7 count, picked by farthest-point
-        sampling of the keys (of the retrieval head's KV head when the layer has one, the head retrieval
-        scores), batched on the device. keys: [Hkv, n * block, D]. Returns rows into keys and their block ids."""
+        """`pick: cover` for the n blocks leaving together: Eq. 7's count per block (`slot_ranges`), picked by
+        farthest-point sampling of the keys (of the retrieval head's KV head when the layer has one, the head
+        retrieval scores), batched on the device. keys: [Hkv, n * block, D]. Returns rows into keys and their block ids."""
         b = layer.block
         n = keys.shape[1] // b
         ranges = []

@@ -21,9 +21,10 @@ text; what follows is our reading of its prose, stated where it is a choice:
 - Bounds: min_vectors and max_vectors (appendix B: 4 and 12, "M = 12") bound a block's vectors in total;
   spans are served best first until the block holds max_vectors, and a block with fewer than min_vectors is
   topped up with its most-voted remaining tokens.
-- Which tokens of a span (`pick`): the paper's most-voted ones (`allocate`), or farthest-point samples of the
-  keys (`cover`, ours: the same count per span; on the embedded model votes favoured a UUID's characters
-  over the words the question matches, and the first global layer lost the needle's block).
+- Which tokens (`pick`): each span's most-voted ones, the paper's (`allocate`), or farthest-point samples of the
+  block's keys (`cover`, ours: the same count per block, one inside each span; on the embedded model votes
+  favoured a UUID's characters over the words the question matches, and the first global layer lost the
+  needle's block).
 """
 
 from __future__ import annotations
@@ -201,8 +202,11 @@ def allocate(found: list[Span], votes: torch.Tensor, lam: float, lo: int, hi: in
 
 
 def slot_ranges(found: list[Span], lam: float, lo: int, hi: int, n: int) -> list[tuple[int, int]]:
-    """The token range [start, end] of each index vector of an n-token block, in picking order: Eq. 7's count
-    for every span, best span first, at most hi in all; then whole-block slots up to lo (`allocate`'s bounds)."""
+    """The token range [start, end] of each index vector of an n-token block, in picking order (for `cover`):
+    Eq. 7's count for every span, best span first, at most hi in all, then whole-block slots up to lo
+    (`allocate`'s bounds). A span's first vector comes from inside it, its others from anywhere in the block:
+    restricted to their spans, they went to the spans Eq. 7 favours (a UUID's characters) and the words a
+    question matches stayed unindexed (the needle's block ranked 22nd instead of 1st on one sample)."""
     out: list[tuple[int, int]] = []
     for span in found:
         k = span_count(span.length, span.confidence, lam)
