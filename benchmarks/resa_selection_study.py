@@ -9,8 +9,9 @@ captured attention mass per query head and the relative error of the attention o
 
 Rules: `mean` the paper's (Quest's bound of the GQA group's mean query), `max` the largest per-head bound,
 `softmax` per-head softmax over the blocks' bounds summed over the group (NSA-style shared importance),
-`maxnorm` the same without the softmax's denominator (exp of each bound less its head's best), and
-`oracle` the true attention mass per block summed over the group (needs every key: an upper bound, not a rule).
+`maxnorm` the same without the softmax's denominator (exp of each bound less its head's best), `centroid`
+the softmax pooling over q . (the block's mean key) instead of the bound, `hybrid` over the average of the
+bound and q . mean, and `oracle` the true attention mass per block summed over the group (needs every key: an upper bound, not a rule).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from longctx_cli.report import run_stamp  # noqa: E402
 from longctx_cli.prompt import AnswerText  # noqa: E402
 from longctx_cli.tasks import generate, score  # noqa: E402
 
-RULES = ("mean", "max", "softmax", "maxnorm", "oracle")
+RULES = ("mean", "max", "softmax", "maxnorm", "centroid", "hybrid", "oracle")
 
 
 def block_extrema(k: torch.Tensor, n: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,10 +49,12 @@ def block_extrema(k: torch.Tensor, n: int, bs: int) -> tuple[torch.Tensor, torch
     return hi, lo
 
 
-def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float) -> torch.Tensor:
-    """qg: [Hkv, G, D]; hi, lo: [Hkv, NB, D]; probs_blocks: [Hkv, G, NB] -> scores [Hkv, NB]."""
+def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float, mu=None) -> torch.Tensor:
+    """qg: [Hkv, G, D]; hi, lo, mu (block mean keys): [Hkv, NB, D]; probs_blocks: [Hkv, G, NB] -> [Hkv, NB]."""
     if rule == "oracle":
         return probs_blocks.sum(1)
+    if rule == "centroid":
+        return torch.softmax(torch.einsum("hgd,hnd->hgn", qg, mu) * scale, dim=-1).sum(1)
     if rule == "mean":
         q = qg.mean(1, keepdim=True)
         return torch.maximum(q[:, :, None] * hi[:, None], q[:, :, None] * lo[:, None]).sum(-1)[:, 0]
@@ -60,6 +63,8 @@ def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float)
         return bound.amax(1)
     if rule == "maxnorm":
         return torch.exp((bound - bound.amax(-1, keepdim=True)) * scale).sum(1)
+    if rule == "hybrid":
+        return torch.softmax((bound + torch.einsum("hgd,hnd->hgn", qg, mu)) * scale / 2, dim=-1).sum(1)
     return torch.softmax(bound * scale, dim=-1).sum(1)
 
 
@@ -83,6 +88,8 @@ class Recorder:
         pad = nb * self.bs - n
         pb = torch.nn.functional.pad(probs, (0, pad)).view(Hkv, -1, nb, self.bs).sum(-1)  # [Hkv, G, NB]
         hi, lo = block_extrema(key[0], n, self.bs)
+        mu = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(Hkv, nb, self.bs, D).sum(2)
+        mu = mu / torch.full((nb,), float(self.bs)).index_fill_(0, torch.tensor([nb - 1]), float(n - (nb - 1) * self.bs))[None, :, None]
         keep = self.rule.keep(nb)
         forced = torch.zeros(nb, dtype=torch.bool)
         forced[max(0, nb - self.rule.local_blocks):] = True
@@ -90,7 +97,7 @@ class Recorder:
         row = {**self.tag, "n": n, "blocks": nb, "keep": keep}
         returned = dense_out
         for name in RULES:
-            s = rule_scores(name, qg, hi, lo, pb, scale).masked_fill(forced[None], float("inf"))
+            s = rule_scores(name, qg, hi, lo, pb, scale, mu).masked_fill(forced[None], float("inf"))
             top = torch.topk(s, keep, dim=-1).indices  # [Hkv, keep]
             mask = torch.zeros(Hkv, nb, dtype=torch.bool).scatter_(1, top, True)
             tokmask = mask.repeat_interleave(self.bs, dim=1)[:, :n]  # [Hkv, n]

@@ -227,6 +227,7 @@ class LtriEngine(Engine):
 
     def _encode_question(self, state, question_ids, n_new):
         logits = super()._encode_question(state, question_ids, n_new)
+        self.indexer.flush(state.cache)  # index what the question's chunk evicted (the counters count it)
         for layer in state.cache.layers:
             if layer.local_len + n_new > layer.local_cap:
                 raise ValueError(f"ltri-stream window has no room for {n_new} new tokens")

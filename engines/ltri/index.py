@@ -71,18 +71,21 @@ class Indexer:
         cache.span_queue.append((layer, layer_idx, first, blocks))
 
     def flush(self, cache: LtriCache) -> None:
-        """Divides every queued block map into spans (one batched call, one device -> host copy)."""
-        if not cache.span_queue:
-            return
-        queue, cache.span_queue = cache.span_queue, []
-        found_all = iter(sp.divide_many(torch.cat([maps for *_, maps in queue]), self.cfg.threshold, self.cfg.iou,
-                                        self.cfg.ratio_mode))
-        for layer, layer_idx, first, maps in queue:
-            for k in range(maps.shape[0]):
-                found = next(found_all)
-                layer.pending[first + k] = found
-                self._record(layer_idx, found)
-                cache.stats["spans"] += len(found)
+        """Divides every queued block map into spans (one batched call, one device -> host copy), then picks
+        the index vectors of the blocks evicted since the last flush (`pick: cover`, batched over layers)."""
+        if cache.span_queue:
+            queue, cache.span_queue = cache.span_queue, []
+            found_all = iter(sp.divide_many(torch.cat([maps for *_, maps in queue]), self.cfg.threshold,
+                                            self.cfg.iou, self.cfg.ratio_mode))
+            for layer, layer_idx, first, maps in queue:
+                for k in range(maps.shape[0]):
+                    found = next(found_all)
+                    layer.pending[first + k] = found
+                    self._record(layer_idx, found)
+                    cache.stats["spans"] += len(found)
+        if cache.pick_queue:
+            queue, cache.pick_queue = cache.pick_queue, []
+            self._cover(queue, cache)
 
     def _pick(self, layer: LtriLayer, layer_idx: int, block_id: int, votes: torch.Tensor) -> list[int]:
         """Rows (within the block) whose keys become the block's index vectors."""
@@ -102,40 +105,51 @@ class Indexer:
         keys, values, votes = layer.take_oldest(n * layer.block)
         cache.stats["device_to_host_bytes"] += layer.memory.add(keys, values)
         if self.cfg.index == "dynamic" and self.cfg.pick == "cover":
-            index, blocks = self._cover(layer, layer_idx, first, keys, votes)
-        else:
-            votes = votes.cpu()
-            rows, ids = [], []
-            for i in range(n):
-                picked = self._pick(layer, layer_idx, first + i, votes[i * layer.block:(i + 1) * layer.block])
-                rows.extend(i * layer.block + r for r in picked)
-                ids.extend([first + i] * len(picked))
-            index = torch.tensor(rows, dtype=torch.long, device=keys.device)
-            blocks = torch.tensor(ids, dtype=torch.long, device=keys.device)
-        layer.index.add(keys[:, index].transpose(0, 1), blocks, index % layer.block)
+            # Picked at the next flush, with every other layer's evicted blocks: the farthest-point steps are
+            # small, and one batch per chunk instead of one per layer keeps long prefills from waiting on launches.
+            cache.pick_queue.append((layer, layer_idx, first, keys, votes))
+            return
+        votes = votes.cpu()
+        rows, ids = [], []
+        for i in range(n):
+            picked = self._pick(layer, layer_idx, first + i, votes[i * layer.block:(i + 1) * layer.block])
+            rows.extend(i * layer.block + r for r in picked)
+            ids.extend([first + i] * len(picked))
+        index = torch.tensor(rows, dtype=torch.long, device=keys.device)
+        layer.index.add(keys[:, index].transpose(0, 1), torch.tensor(ids, dtype=torch.long, device=keys.device),
+                        index % layer.block)
         cache.stats["blocks_indexed"] += n
 
-    def _cover(self, layer: LtriLayer, layer_idx: int, first: int, keys: torch.Tensor, votes: torch.Tensor):
-        """`pick: cover` for the n blocks leaving together: Eq. 7's count per block (`slot_ranges`), picked by
-        farthest-point sampling of the keys (of the retrieval head's KV head when the layer has one, the head
-        retrieval scores), batched on the device. keys: [Hkv, n * block, D]. Returns rows into keys and their block ids."""
-        b = layer.block
-        n = keys.shape[1] // b
-        ranges = []
-        for i in range(n):
-            found = layer.pending.pop(first + i, None) or [sp.Span(0, b - 1, 0.0, 1.0)]
-            ranges.append(sp.slot_ranges(found, self.lam(layer_idx), self.cfg.min_vectors, self.cfg.max_vectors, b))
-        width = max(map(len, ranges))
-        table = torch.tensor([r + [(0, -1)] * (width - len(r)) for r in ranges], dtype=torch.long).view(n, width, 2)
-        feats = keys
-        if layer_idx in self.heads:
-            group = self.n_heads // keys.shape[0]
-            feats = keys[self.heads[layer_idx][0] // group][None]
-        feats = feats.view(feats.shape[0], n, b, -1).permute(1, 2, 0, 3).flatten(2)  # [n, block, Hkv' * D]
-        picks = sp.cover(feats, votes.view(n, b), table.to(keys.device))
-        offsets = torch.arange(n, device=keys.device)[:, None] * b
-        keep = picks >= 0
-        return (picks + offsets)[keep], (offsets // b + first).expand_as(picks)[keep]
+    def _cover(self, queue: list, cache: LtriCache) -> None:
+        """`pick: cover` for queued evictions (layer, layer index, first block id, keys [Hkv, n * block, D], votes
+        [n * block]): Eq. 7's count per block (`slot_ranges`), picked by farthest-point sampling of the keys (of
+        the retrieval head's KV head when the layer has one, the head retrieval scores), on the device, in one
+        batch per feature width."""
+        groups: dict[int, list] = {}
+        for layer, layer_idx, first, keys, votes in queue:
+            b = layer.block
+            n = keys.shape[1] // b
+            feats = keys
+            if layer_idx in self.heads:
+                feats = keys[self.heads[layer_idx][0] // (self.n_heads // keys.shape[0])][None]
+            feats = feats.view(feats.shape[0], n, b, -1).permute(1, 2, 0, 3).flatten(2)  # [n, block, F]
+            ranges = [sp.slot_ranges(layer.pending.pop(first + i, None) or [sp.Span(0, b - 1, 0.0, 1.0)],
+                                     self.lam(layer_idx), self.cfg.min_vectors, self.cfg.max_vectors, b)
+                      for i in range(n)]
+            groups.setdefault(feats.shape[-1], []).append((layer, first, keys, feats, votes.view(n, b), ranges))
+        for items in groups.values():
+            width = max(len(r) for *_, ranges in items for r in ranges)
+            table = torch.tensor([r + [(0, -1)] * (width - len(r)) for *_, ranges in items for r in ranges],
+                                 dtype=torch.long).view(-1, width, 2)
+            feats = torch.cat([f for _, _, _, f, _, _ in items])
+            picks = sp.cover(feats, torch.cat([v for *_, v, _ in items]), table.to(feats.device))
+            for (layer, first, keys, f, _, _), p in zip(items, picks.split([f.shape[0] for *_, f, _, _ in items])):
+                offsets = torch.arange(p.shape[0], device=p.device)[:, None] * layer.block
+                keep = p >= 0
+                rows = (p + offsets)[keep]
+                blocks = (offsets // layer.block + first).expand_as(p)[keep]
+                layer.index.add(keys[:, rows].transpose(0, 1), blocks, rows % layer.block)
+                cache.stats["blocks_indexed"] += p.shape[0]
 
     def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling) -> torch.Tensor:
         """The chunk's query index vectors [A, Hq, D]: its own causal map, block by block,
