@@ -39,7 +39,13 @@ class ResaConfig:
 
     pooling: how a GQA group shares its selection. "mean" is the paper's (Quest's bound of the group's average
     query); "softmax" (NSA's group sharing) softmaxes each head's bounds over the blocks and sums them, so that
-    a block one head attends to sharply is not averaged away by the group's other heads (kernels/block_select)."""
+    a block one head attends to sharply is not averaged away by the group's other heads (kernels/block_select).
+
+    centroid (ours, False in the paper): also keep each block's mean key and score a block by the average of
+    Quest's bound and q . mean, a closer estimate of its logits than the bound alone (at head_dim 256 over 16
+    keys the bound is loose). On CPU (4K, 4 harness samples decoded densely, every rule scored at every step)
+    the blocks it kept held 89.5% of the attention mass on average (worst step 82.6%) against 87.5% (79.5%)
+    with the bound alone and 92.2% (85.7%) for the true top mass. Costs a third descriptor (1/16 of K)."""
 
     block_size: int = 16
     keep_ratio: float = 0.1
@@ -48,6 +54,7 @@ class ResaConfig:
     rectify_every: int = 32
     sink_blocks: int = 0
     pooling: str = "mean"
+    centroid: bool = False
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 64:
@@ -69,7 +76,8 @@ class ResaConfig:
 
     @property
     def rule(self) -> KeepRule:
-        return KeepRule(self.keep_ratio, self.min_blocks, self.local_blocks, self.sink_blocks, self.pooling)
+        return KeepRule(self.keep_ratio, self.min_blocks, self.local_blocks, self.sink_blocks, self.pooling,
+                        self.centroid)
 
 
 class ResaKVLayer(StaticKVLayer):
@@ -82,9 +90,15 @@ class ResaKVLayer(StaticKVLayer):
             n_blocks = -(-self.capacity // self.owner.block_size)
             self.kmax = torch.zeros(batch, heads, n_blocks, dim, dtype=self.dtype, device=self.device)
             self.kmin = torch.zeros_like(self.kmax)
+            self.kmean = torch.zeros_like(self.kmax) if self.owner.rule.centroid else None
+
+    def descriptors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return self.kmax, self.kmin, self.kmean
 
     def nbytes(self) -> int:
-        extra = self.kmax.nbytes + self.kmin.nbytes if self.is_initialized and not self.is_sliding else 0
+        extra = 0
+        if self.is_initialized and not self.is_sliding:
+            extra = sum(t.nbytes for t in self.descriptors() if t is not None)
         return super().nbytes() + extra
 
 
@@ -115,6 +129,10 @@ def _token_bytes_per_layer(config, dtype_bytes: int) -> int:
     return Engine.memory_plan(config, 1, dtype_bytes) // config.get_text_config(decoder=True).num_hidden_layers
 
 
+def _describe(layer: ResaKVLayer, key: torch.Tensor, length: torch.Tensor, n_new: int, block_size: int) -> None:
+    update_block_descriptors(key, layer.kmax, layer.kmin, length, n_new, block_size, layer.kmean)
+
+
 def _clock(cache: ResaKVCache, key: str, start: float) -> float:
     now = time.perf_counter()
     if cache.timed:
@@ -137,18 +155,18 @@ class ResaEngine(Engine):
         if not longctx.decoding:
             out = chunk_attention(query, key, value, longctx.offset, scale=scaling, window=sliding_window)
             if not layer.is_sliding:
-                update_block_descriptors(key, layer.kmax, layer.kmin, length, n_new, longctx.block_size)
+                _describe(layer, key, length, n_new, longctx.block_size)
             return out.transpose(1, 2), None
         if layer.is_sliding or n_new > 1:
             # Exact layers, and the rectification pass (n_new tokens re-encoded densely).
             if not layer.is_sliding:
-                update_block_descriptors(key, layer.kmax, layer.kmin, length, n_new, longctx.block_size)
+                _describe(layer, key, length, n_new, longctx.block_size)
             out = decode_attention(query, key, value, length, scale=scaling, window=sliding_window)
             return out.transpose(1, 2), None
         start = time.perf_counter()
-        update_block_descriptors(key, layer.kmax, layer.kmin, length, 1, longctx.block_size)
+        _describe(layer, key, length, 1, longctx.block_size)
         blocks = select_blocks(query[:, :, 0], layer.kmax, layer.kmin, length, block_size=longctx.block_size,
-                               rule=longctx.rule, width=longctx.width, scale=scaling)
+                               rule=longctx.rule, width=longctx.width, scale=scaling, kmean=layer.kmean)
         start = _clock(longctx, "estimation_s", start)
         out = sparse_decode_attention(query[:, :, 0], key, value, blocks, length, block_size=longctx.block_size,
                                       scale=scaling)
@@ -162,10 +180,13 @@ class ResaEngine(Engine):
 
     @classmethod
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
-        """The KV cache plus, on full-attention layers, max and min descriptors: 2/block_size of the keys."""
-        n_blocks = -(-n_tokens // (engine_config or ResaConfig()).block_size)
-        # A block's max and min keys together take the bytes of one token's K and V.
+        """The KV cache plus, on full-attention layers, max and min descriptors: 2/block_size of the keys (and
+        the mean: 3/block_size, with centroid)."""
+        cfg = engine_config or ResaConfig()
+        n_blocks = -(-n_tokens // cfg.block_size)
+        # A block's max and min keys together take the bytes of one token's K and V; the mean half of that.
         descriptors = _covered_layers(model_config) * _token_bytes_per_layer(model_config, dtype_bytes) * n_blocks
+        descriptors += descriptors // 2 if cfg.centroid else 0
         return super().memory_plan(model_config, n_tokens, dtype_bytes) + descriptors
 
     def kv_read_bytes(self, model_config, n_tokens: int, dtype_bytes: int) -> int:
@@ -174,7 +195,8 @@ class ResaEngine(Engine):
         block, every = self.config.block_size, self.config.rectify_every
         n_blocks = -(-n_tokens // block)
         kept = min(n_tokens, self.config.rule.keep(n_blocks) * block)
-        sparse = kept + n_blocks + (n_tokens // every if every else 0)  # token equivalents per covered layer
+        described = n_blocks * 3 // 2 if self.config.centroid else n_blocks  # max + min (+ mean) of K
+        sparse = kept + described + (n_tokens // every if every else 0)  # token equivalents per covered layer
         covered = _covered_layers(model_config) * _token_bytes_per_layer(model_config, dtype_bytes)
         return Engine.kv_read_bytes(model_config, n_tokens, dtype_bytes) + covered * (sparse - n_tokens)
 
@@ -232,6 +254,7 @@ class ResaEngine(Engine):
                                                        " (sliding-window layers stay exact)"),
                "block_size": self.config.block_size, "sink_blocks": self.config.sink_blocks,
                "group_pooling": self.config.pooling,
+               "block_centroid": self.config.centroid,
                "selection_width_blocks": state.cache.width}
         steps = data.get("steps", 0)
         if not steps:

@@ -14,11 +14,13 @@ from tests.conftest import gpu, greedy_answer, make_engine, story_ids
 pytestmark = pytest.mark.slow
 
 
-def test_keep_ratio_one_equals_dense_token_for_token(lm, story_text):
+@pytest.mark.parametrize("centroid", [False, True], ids=["bound", "centroid"])
+def test_keep_ratio_one_equals_dense_token_for_token(lm, story_text, centroid):
     """Every block kept: the sparse path (select, sparse kernel, rectification) must reproduce dense exactly."""
     doc, question = story_ids(lm, story_text, 1500)
     dense, _ = greedy_answer(make_engine(lm, "dense", chunk_size=512), doc, question, 40)
-    resa, state = greedy_answer(make_engine(lm, "resa", chunk_size=512, keep_ratio=1.0, rectify_every=16), doc, question, 40)
+    resa, state = greedy_answer(make_engine(lm, "resa", chunk_size=512, keep_ratio=1.0, rectify_every=16,
+                                            centroid=centroid), doc, question, 40)
     assert resa == dense
     counters = make_engine(lm, "resa").counters(state)
     assert counters["rectifications"] == 39 // 16 and counters["kv_fraction_read"] == 1.0
@@ -113,11 +115,14 @@ def test_memory_plan_counts_descriptors(lm):
     dense = ENGINES["dense"].memory_plan(config, 4096, 4)
     # Gemma 3 270M: 3 global layers x 1 KV head x 256 dims x 2 (max, min) x 256 blocks x 4 bytes.
     assert ENGINES["resa"].memory_plan(config, 4096, 4, profile.engine_config) - dense == 3 * 256 * 2 * 256 * 4
+    with_mean = resolve_profile("resa", {"centroid": True}).engine_config  # + the mean key per block
+    assert ENGINES["resa"].memory_plan(config, 4096, 4, with_mean) - dense == 3 * 256 * 3 * 256 * 4
 
 
 @gpu
 @pytest.mark.gpu
-def test_gpu_graph_decode_equals_eager():
+@pytest.mark.parametrize("centroid", [False, True], ids=["bound", "centroid"])
+def test_gpu_graph_decode_equals_eager(centroid):
     """On CUDA, the captured decode + rectification graphs give the eager path's tokens (random Gemma shape)."""
     from longctx_cli.models import load_model
 
@@ -127,7 +132,7 @@ def test_gpu_graph_decode_equals_eager():
     question = torch.randint(1000, lm.config.vocab_size, (9,), generator=gen)
     outs = {}
     for graph in (True, False):
-        engine = make_engine(lm, "resa", decode_graph=graph, rectify_every=8)
+        engine = make_engine(lm, "resa", decode_graph=graph, rectify_every=8, centroid=centroid)
         outs[graph], state = greedy_answer(engine, doc, question, 40)
         assert engine.counters(state)["rectifications"] == 39 // 8
     assert outs[True] == outs[False]

@@ -77,6 +77,63 @@ def test_descriptors_incremental_equal_full_rebuild():
         assert torch.equal(kmax[0, :, blk], seg.amax(dim=1)) and torch.equal(kmin[0, :, blk], seg.amin(dim=1))
 
 
+def _means(keys, lengths):
+    """kmean [B, H, NB, D] by the reference, one full update per sequence (NaN where no key)."""
+    B, H, S, D = keys.shape
+    kmean = torch.full((B, H, -(-S // BS), D), float("nan"), dtype=keys.dtype, device=keys.device)
+    scratch = kmean.clone()
+    for b, n in enumerate(lengths):
+        update_ref(keys[b:b + 1], scratch[b:b + 1], scratch[b:b + 1].clone(), torch.tensor([n]), n, BS, kmean[b:b + 1])
+    return kmean
+
+
+def test_descriptor_means_incremental_equal_block_means():
+    S, D = 300, 8
+    keys = torch.randn(1, 2, S, D)
+    kmax = torch.full((1, 2, -(-S // BS), D), float("nan"))
+    kmin, kmean = kmax.clone(), kmax.clone()
+    end = 0
+    for n in (37, 5, 100, 1, 1, 16, 1):  # the last block stays partly filled
+        end += n
+        update_ref(keys, kmax, kmin, torch.tensor([end]), n, BS, kmean)
+    for blk in range(-(-end // BS)):
+        seg = keys[0, :, blk * BS:min(end, blk * BS + BS)]
+        torch.testing.assert_close(kmean[0, :, blk], seg.mean(dim=1))
+
+
+@pytest.mark.parametrize("pooling", ["mean", "softmax"])
+def test_centroid_scores_average_the_bound_and_the_mean_key(pooling):
+    torch.manual_seed(0)
+    L, D, G, scale = 150, 16, 4, 0.25
+    keys = _keys(1, 2, 160, D, [L])
+    q = torch.randn(1, 2 * G, D)
+    kmax, kmin = _descriptors(keys, [L])
+    kmean = _means(keys, [L])
+    got = block_scores(q, kmax, kmin, torch.tensor([L]), block_size=BS, local_blocks=2, sink_blocks=1,
+                       pooling=pooling, scale=scale, kmean=kmean)
+    n_blocks = -(-L // BS)
+    scored = range(1, n_blocks - 2)
+    for h in range(2):
+        qs = q[0, h * G:(h + 1) * G]
+        heads = [qs.mean(dim=0)] if pooling == "mean" else list(qs)
+        expected = torch.zeros(n_blocks - 3)
+        for qh in heads:
+            est = torch.stack([(torch.maximum(qh * kmax[0, h, i], qh * kmin[0, h, i]).sum()
+                                + qh @ keys[0, h, i * BS:min(L, i * BS + BS)].mean(dim=0)) / 2 for i in scored])
+            expected += est if pooling == "mean" else torch.softmax(est * scale, 0)
+        torch.testing.assert_close(got[0, h, 1:n_blocks - 2], expected)
+        assert got[0, h, 0] == float("inf") and (got[0, h, n_blocks:] == float("-inf")).all()
+
+
+def test_centroid_rule_needs_the_mean_descriptor():
+    from kernels.block_select import select_blocks
+
+    rule = KeepRule(0.1, 16, 1, centroid=True)
+    kmax = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="kmean"):
+        select_blocks(torch.zeros(1, 1, 8), kmax, kmax, torch.tensor([64]), block_size=BS, rule=rule, width=16)
+
+
 @pytest.mark.parametrize("n_blocks,ratio,min_blocks,expected", [
     (1, 0.1, 16, 1), (16, 0.1, 16, 16), (17, 0.1, 16, 16), (200, 0.1, 16, 20), (201, 0.1, 16, 21),
     (8192, 0.1, 16, 820), (10, 1.0, 16, 10), (3, 0.3, 1, 1), (30, 0.3, 1, 9),
@@ -256,12 +313,16 @@ def test_descriptors_triton(dtype, D, L, n_new):
     _supported(dtype)
     keys = _keys(1, 4, L + 40, D, [L], dtype=dtype, device=DEVICE)
     kmax, kmin = _descriptors(keys.cpu(), [L - n_new])
-    kmax[:, :, (L - n_new) // BS:] = 7.0
-    kmin[:, :, (L - n_new) // BS:] = 7.0
-    got_max, got_min = kmax.to(DEVICE), kmin.to(DEVICE)
-    update_block_descriptors_triton(keys, got_max, got_min, torch.tensor([L], device=DEVICE), n_new, BS)
-    update_ref(keys.cpu(), kmax, kmin, torch.tensor([L]), n_new, BS)
+    kmean = _means(keys.cpu(), [L - n_new])
+    for t in (kmax, kmin, kmean):
+        t[:, :, (L - n_new) // BS:] = 7.0
+    got_max, got_min, got_mean = kmax.to(DEVICE), kmin.to(DEVICE), kmean.to(DEVICE)
+    update_block_descriptors_triton(keys, got_max, got_min, torch.tensor([L], device=DEVICE), n_new, BS, got_mean)
+    update_ref(keys.cpu(), kmax, kmin, torch.tensor([L]), n_new, BS, kmean)
     assert torch.equal(got_max.cpu(), kmax) and torch.equal(got_min.cpu(), kmin)
+    # Means: fp32 sums in another order, then rounded to the dtype.
+    tol = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(got_mean.cpu(), kmean, equal_nan=True, **tol)
 
 
 def _problem(B, group, L, D, dtype, S=None):
@@ -277,7 +338,7 @@ def _problem(B, group, L, D, dtype, S=None):
     return [t.to(DEVICE) for t in (q, keys, values, kmax, kmin)] + [torch.tensor(lengths, device=DEVICE)]
 
 
-@pytest.mark.parametrize("pooling", ["mean", "softmax"])
+@pytest.mark.parametrize("pooling", ["mean", "softmax", "mean+centroid", "softmax+centroid"])
 @pytest.mark.parametrize("L", [1, 17, 1000, 4097, 32768], ids=lambda n: f"L{n}")
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")
 @pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
@@ -287,15 +348,19 @@ def test_select_triton_matches_reference(D, group, L, pooling):
     from kernels.block_select.triton import select_blocks_triton
 
     q, keys, _, kmax, kmin, length = _problem(2, group, L, D, torch.float16 if DEVICE == "cpu" else torch.bfloat16)
-    rule = KeepRule(0.1, 16, 1, 1 if pooling == "softmax" else 0, pooling=pooling)
+    pooling, centroid = pooling.split("+")[0], pooling.endswith("+centroid")
+    kmean = _means(keys.cpu(), length.tolist()).to(DEVICE) if centroid else None
+    rule = KeepRule(0.1, 16, 1, 1 if pooling == "softmax" else 0, pooling=pooling, centroid=centroid)
     width = rule.keep(kmax.shape[2]) + 5
-    got = select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width, scale=D**-0.5)
+    got = select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width, scale=D**-0.5,
+                               kmean=kmean)
+    cpu_mean = kmean.cpu() if centroid else None
     ref = select_ref(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, rule=rule, width=width,
-                     scale=D**-0.5)
+                     scale=D**-0.5, kmean=cpu_mean)
     if not torch.equal(got.cpu(), ref):
         # Summation order may flip near-ties: the kernel's choice must still be a top-k under reference scores.
         scores = block_scores(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, local_blocks=1,
-                              sink_blocks=rule.sink_blocks, pooling=pooling, scale=D**-0.5)
+                              sink_blocks=rule.sink_blocks, pooling=pooling, scale=D**-0.5, kmean=cpu_mean)
         for b in range(2):
             for h in range(2):
                 a, r = got[b, h].cpu(), ref[b, h]

@@ -1,4 +1,5 @@
-"""block_descriptors: per KV head and per block of `block_size` keys, the element-wise max and min of the keys.
+"""block_descriptors: per KV head and per block of `block_size` keys, the element-wise max and min of the keys
+(and, optionally, their mean: the block's centroid).
 
 They are kept up to date incrementally: after new keys are written at [length - n_new, length), only the
 blocks those positions touch are recomputed (one block per decode step; a chunk's worth in prefill). Quest's
@@ -27,11 +28,12 @@ def _triton_impl():
 
 
 def update_block_descriptors(keys: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor,
-                             n_new: int, block_size: int) -> None:
+                             n_new: int, block_size: int, kmean: torch.Tensor | None = None) -> None:
     """Recompute, in place, the descriptors of the blocks that keys [length - n_new, length) fall in.
 
     keys: [B, Hkv, S, D]; kmax, kmin: [B, Hkv, ceil(S / block_size), D] in keys' dtype; length: [B] int64
     (valid keys after the write, on keys' device); 1 <= n_new <= length. Keys at index >= length are ignored.
+    kmean: like kmax, the mean of each block's valid keys (None: not kept).
     """
     impl = (_triton_impl() if keys.is_cuda else None) or update_block_descriptors_reference
-    impl(keys, kmax, kmin, length, n_new, block_size)
+    impl(keys, kmax, kmin, length, n_new, block_size, kmean)

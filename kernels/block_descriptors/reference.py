@@ -6,7 +6,7 @@ import torch
 
 
 def update_block_descriptors(keys: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor,
-                             n_new: int, block_size: int) -> None:
+                             n_new: int, block_size: int, kmean: torch.Tensor | None = None) -> None:
     """keys: [B, Hkv, S, D]; kmax, kmin: [B, Hkv, NB, D]; length: [B]. See kernels.block_descriptors."""
     B, H, _, D = keys.shape
     for b, end in enumerate(length.tolist()):
@@ -19,3 +19,8 @@ def update_block_descriptors(keys: torch.Tensor, kmax: torch.Tensor, kmin: torch
         bottom = torch.cat([seg, seg.new_full((H, pad, D), float("inf"))], dim=1)
         kmax[b, :, lo:hi] = top.view(H, hi - lo, block_size, D).amax(dim=2)
         kmin[b, :, lo:hi] = bottom.view(H, hi - lo, block_size, D).amin(dim=2)
+        if kmean is not None:
+            total = torch.cat([seg.float(), seg.new_zeros((H, pad, D), dtype=torch.float32)], dim=1)
+            count = (end - torch.arange(lo, hi) * block_size).clamp(max=block_size).to(torch.float32)
+            kmean[b, :, lo:hi] = (total.view(H, hi - lo, block_size, D).sum(dim=2) / count[None, :, None].to(
+                keys.device)).to(kmean.dtype)

@@ -11,9 +11,9 @@ from kernels._triton_common import check_device, launch_context
 
 @triton.jit
 def _block_descriptors_kernel(
-    K, Kmax, Kmin, Length, n_kv_heads, n_new,
+    K, Kmax, Kmin, Kmean, Length, n_kv_heads, n_new,
     stride_kb, stride_kh, stride_ks, stride_db, stride_dh, stride_dn,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MEAN: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = (pid_bh // n_kv_heads).to(tl.int64)
@@ -33,33 +33,39 @@ def _block_descriptors_kernel(
     dst = b * stride_db + h * stride_dh + blk * stride_dn + offs_d
     tl.store(Kmax + dst, top.to(Kmax.dtype.element_ty), mask=keep)
     tl.store(Kmin + dst, bottom.to(Kmin.dtype.element_ty), mask=keep)
+    if MEAN:
+        count = tl.minimum(length - blk * BLOCK, BLOCK).to(tl.float32)
+        mean = tl.sum(k.to(tl.float32), 0) / tl.maximum(count, 1.0)
+        tl.store(Kmean + dst, mean.to(Kmean.dtype.element_ty), mask=keep)
 
 
 def update_block_descriptors_triton(keys: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor,
-                                    length: torch.Tensor, n_new: int, block_size: int) -> None:
+                                    length: torch.Tensor, n_new: int, block_size: int,
+                                    kmean: torch.Tensor | None = None) -> None:
     """Same contract as reference.update_block_descriptors; CUDA-graph capturable."""
     if keys.dim() != 4:
         raise ValueError(f"expected keys of shape [B, Hkv, S, D], got {tuple(keys.shape)}")
     B, H, S, D = keys.shape
     nb = triton.cdiv(S, block_size)
-    for name, t in (("kmax", kmax), ("kmin", kmin)):
+    described = (("kmax", kmax), ("kmin", kmin)) + ((("kmean", kmean),) if kmean is not None else ())
+    for name, t in described:
         if t.shape != (B, H, nb, D) or t.dtype != keys.dtype:
             raise ValueError(f"expected {name} of shape [{B}, {H}, {nb}, {D}] {keys.dtype}, got "
                              f"{tuple(t.shape)} {t.dtype}")
-    if kmax.stride() != kmin.stride():
-        raise ValueError("expected kmax and kmin with the same strides")
+    if any(t.stride() != kmax.stride() for _, t in described):
+        raise ValueError("expected kmax, kmin (and kmean) with the same strides")
     if length.shape != (B,):
         raise ValueError(f"expected length of shape [{B}], got {tuple(length.shape)}")
     if block_size & (block_size - 1) or D & (D - 1):
         raise ValueError(f"expected block_size and head_dim powers of two, got {block_size} and {D}")
     if n_new < 1:
         raise ValueError(f"expected n_new >= 1, got {n_new}")
-    for name, t in (("keys", keys), ("kmax", kmax), ("kmin", kmin), ("length", length)):
+    for name, t in (("keys", keys), ("length", length), *described):
         check_device(name, t, keys.device)
     touched = (n_new + block_size - 2) // block_size + 1
     with launch_context(keys.device):
         _block_descriptors_kernel[(B * H, touched)](
-            keys, kmax, kmin, length, H, n_new,
+            keys, kmax, kmin, kmax if kmean is None else kmean, length, H, n_new,
             keys.stride(0), keys.stride(1), keys.stride(2), kmax.stride(0), kmax.stride(1), kmax.stride(2),
-            BLOCK=block_size, HEAD_DIM=D, num_warps=4 if block_size * D >= 4096 else 2,
+            BLOCK=block_size, HEAD_DIM=D, MEAN=kmean is not None, num_warps=4 if block_size * D >= 4096 else 2,
         )

@@ -32,11 +32,14 @@ def _triton_impl():
 
 
 def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
-                  block_size: int, rule: KeepRule, width: int, scale: float = 1.0) -> torch.Tensor:
-    """q: [B, Hq, D]; kmax, kmin: [B, Hkv, NB, D]; length: [B] int64 (valid keys, the new one included);
-    scale: the attention's softmax scale (used by rule.pooling "softmax").
+                  block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
+                  kmean: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, Hq, D]; kmax, kmin (and kmean, required by rule.centroid): [B, Hkv, NB, D]; length: [B] int64
+    (valid keys, the new one included); scale: the attention's softmax scale (used by rule.pooling "softmax").
 
     Returns block indices [B, Hkv, width] int32: the kept blocks ascending, then -1. width >= rule.keep(NB).
     """
     impl = (_triton_impl() if q.is_cuda else None) or select_blocks_reference
-    return impl(q, kmax, kmin, length, block_size=block_size, rule=rule, width=width, scale=scale)
+    if rule.centroid and kmean is None:
+        raise ValueError("rule.centroid needs the kmean descriptor")
+    return impl(q, kmax, kmin, length, block_size=block_size, rule=rule, width=width, scale=scale, kmean=kmean)

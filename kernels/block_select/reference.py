@@ -19,6 +19,8 @@ class KeepRule:
     heads of a GQA group share one selection: "mean" (the paper: Quest's bound of the group's mean query) or
     "softmax" (NSA's sharing: each head's bounds, times the attention scale, softmaxed over the scored blocks,
     summed over the group, so that a head whose attention is peaked on a few blocks gets them kept).
+    `centroid` (ours): a head's block score is the average of Quest's bound and q . (the block's mean key), an
+    estimate of the block's typical logit rather than its loosest upper bound (needs the kmean descriptor).
     """
 
     keep_ratio: float
@@ -26,6 +28,7 @@ class KeepRule:
     local_blocks: int
     sink_blocks: int = 0
     pooling: str = "mean"
+    centroid: bool = False
 
     def __post_init__(self):
         if self.pooling not in POOLINGS:
@@ -43,9 +46,10 @@ class KeepRule:
 
 def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                  block_size: int, local_blocks: int, sink_blocks: int = 0, pooling: str = "mean",
-                 scale: float = 1.0) -> torch.Tensor:
+                 scale: float = 1.0, kmean: torch.Tensor | None = None) -> torch.Tensor:
     """Scores [B, Hkv, NB] fp32: the group's pooled Quest bounds (see KeepRule), +inf for the forced (local and
-    sink) blocks, -inf past the end. scale (the attention's) only matters to softmax pooling."""
+    sink) blocks, -inf past the end. scale (the attention's) only matters to softmax pooling. kmean given: each
+    bound is averaged with q . kmean (KeepRule.centroid)."""
     B, Hq, D = q.shape
     Hkv, NB = kmax.shape[1], kmax.shape[2]
     qg = q.float().view(B, Hkv, Hq // Hkv, D)
@@ -56,9 +60,13 @@ def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length
     if pooling == "mean":
         qbar = qg.mean(dim=2)[:, :, None, :]  # [B, Hkv, 1, D]
         s = torch.maximum(qbar * kmax.float(), qbar * kmin.float()).sum(dim=-1)  # [B, Hkv, NB]
+        if kmean is not None:
+            s = (s + (qbar * kmean.float()).sum(dim=-1)) * 0.5
     else:
         bound = torch.maximum(qg[:, :, :, None] * kmax.float()[:, :, None],
                               qg[:, :, :, None] * kmin.float()[:, :, None]).sum(dim=-1)  # [B, Hkv, G, NB]
+        if kmean is not None:
+            bound = (bound + torch.einsum("bhgd,bhnd->bhgn", qg, kmean.float())) * 0.5
         scored = (inside & ~forced)[:, :, None]  # [B, 1, 1, NB]
         s = torch.softmax((bound * scale).masked_fill(~scored, float("-inf")), dim=-1).nan_to_num(0.0).sum(dim=2)
     s = torch.where(forced, float("inf"), s)
@@ -66,11 +74,13 @@ def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length
 
 
 def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
-                  block_size: int, rule: KeepRule, width: int, scale: float = 1.0) -> torch.Tensor:
+                  block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
+                  kmean: torch.Tensor | None = None) -> torch.Tensor:
     """See kernels.block_select.select_blocks. Ties are broken by torch.topk (the kernel: lowest index)."""
     B, Hkv = kmax.shape[:2]
     scores = block_scores(q, kmax, kmin, length, block_size=block_size, local_blocks=rule.local_blocks,
-                          sink_blocks=rule.sink_blocks, pooling=rule.pooling, scale=scale)
+                          sink_blocks=rule.sink_blocks, pooling=rule.pooling, scale=scale,
+                          kmean=kmean if rule.centroid else None)
     out = torch.full((B, Hkv, width), -1, dtype=torch.int32, device=q.device)
     for b, n in enumerate(length.tolist()):
         k = rule.keep(-(-n // block_size))

@@ -30,10 +30,10 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _block_scores_kernel(
-    Q, Kmax, Kmin, Length, Scores, Bounds, TileMax, TileSum, n_kv_heads, n_blocks_cap, n_tiles, local_blocks,
-    sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn,
+    Q, Kmax, Kmin, Kmean, Length, Scores, Bounds, TileMax, TileSum, n_kv_heads, n_blocks_cap, n_tiles,
+    local_blocks, sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
-    SOFTMAX: tl.constexpr,
+    SOFTMAX: tl.constexpr, CENTROID: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     tile = tl.program_id(1)
@@ -47,12 +47,17 @@ def _block_scores_kernel(
     base = b * stride_db + h * stride_dh + offs[:, None] * stride_dn + offs_d[None, :]
     top = tl.load(Kmax + base, mask=scored[:, None], other=0.0).to(tl.float32)
     bottom = tl.load(Kmin + base, mask=scored[:, None], other=0.0).to(tl.float32)
+    if CENTROID:
+        mean = tl.load(Kmean + base, mask=scored[:, None], other=0.0).to(tl.float32)
     q_row = Q + b * stride_qb + h * GROUP * stride_qh + offs_d
     if SOFTMAX:
         row = pid_bh.to(tl.int64) * GROUP
         for g in tl.static_range(GROUP):
             qg = tl.load(q_row + g * stride_qh).to(tl.float32)
-            s = tl.sum(tl.maximum(qg[None, :] * top, qg[None, :] * bottom), 1) * scale_log2
+            s = tl.sum(tl.maximum(qg[None, :] * top, qg[None, :] * bottom), 1)
+            if CENTROID:
+                s = (s + tl.sum(qg[None, :] * mean, 1)) * 0.5
+            s = s * scale_log2
             s = tl.where(scored, s, float("-inf"))
             m = tl.max(s, 0)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -64,6 +69,8 @@ def _block_scores_kernel(
         q = tl.load(q_row[None, :] + offs_g[:, None] * stride_qh, mask=offs_g[:, None] < GROUP, other=0.0)
         qbar = tl.sum(q.to(tl.float32), 0) / GROUP  # [HEAD_DIM]
         s = tl.sum(tl.maximum(qbar[None, :] * top, qbar[None, :] * bottom), 1)
+        if CENTROID:
+            s = (s + tl.sum(qbar[None, :] * mean, 1)) * 0.5
         s = tl.where(scored, s, tl.where(offs < n_blocks, float("inf"), float("-inf")))
         tl.store(Scores + pid_bh.to(tl.int64) * n_blocks_cap + offs, s, mask=offs < n_blocks_cap)
 
@@ -197,7 +204,8 @@ def _block_topk_resident_kernel(
 
 
 def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
-                         block_size: int, rule: KeepRule, width: int, scale: float = 1.0) -> torch.Tensor:
+                         block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
+                         kmean: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.select_blocks; CUDA-graph capturable."""
     if q.dim() != 3:
         raise ValueError(f"expected q of shape [B, Hq, D], got {tuple(q.shape)}")
@@ -206,6 +214,9 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
         raise ValueError(f"expected kmax of shape [{B}, Hkv, NB, {D}] with Hq % Hkv == 0, got {tuple(kmax.shape)}")
     if kmin.shape != kmax.shape or kmin.stride() != kmax.stride():
         raise ValueError(f"expected kmin shaped and strided like kmax {tuple(kmax.shape)}, got {tuple(kmin.shape)}")
+    if rule.centroid and (kmean is None or kmean.shape != kmax.shape or kmean.stride() != kmax.stride()):
+        raise ValueError(f"expected kmean shaped and strided like kmax {tuple(kmax.shape)} (rule.centroid), got "
+                         f"{None if kmean is None else tuple(kmean.shape)}")
     Hkv, NB = kmax.shape[1], kmax.shape[2]
     if length.shape != (B,):
         raise ValueError(f"expected length of shape [{B}], got {tuple(length.shape)}")
@@ -230,10 +241,11 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     num, den = rule.ratio
     with launch_context(q.device):
         _block_scores_kernel[(B * Hkv, n_tiles)](
-            q, kmax, kmin, length, scores, bounds, tile_max, tile_sum, Hkv, NB, n_tiles, rule.local_blocks,
+            q, kmax, kmin, kmean if rule.centroid else kmax, length, scores, bounds, tile_max, tile_sum, Hkv, NB,
+            n_tiles, rule.local_blocks,
             rule.sink_blocks, scale * _LOG2E, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
             kmax.stride(2), GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
-            TILE=_SCORE_TILE, SOFTMAX=softmax, num_warps=4,
+            TILE=_SCORE_TILE, SOFTMAX=softmax, CENTROID=rule.centroid, num_warps=4,
         )
         if softmax:
             _softmax_pool_kernel[(B * Hkv, n_tiles)](
