@@ -236,6 +236,28 @@ def test_a_block_matched_in_its_tail_brings_its_successor():
     assert indexer._with_successors(scores, where, 3, 128, cache) == [1, 3, 5]
 
 
+def test_flush_outside_inference_mode_indexes_blocks_made_inside_it():
+    """prefill's last flush runs outside inference mode on buffers made inside it (a 128K bench hit this)."""
+    from types import SimpleNamespace
+
+    from engines.ltri import LtriConfig
+    from engines.ltri.cache import LtriLayer
+    from engines.ltri.index import Indexer
+
+    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096)
+    layer = LtriLayer(owner, n_init=4, n_retrieved=8, n_local=8, block=4, room=8, window=None, retrieve=True)
+    with torch.inference_mode():
+        layer.lazy_initialization(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3))
+        keys, votes = torch.randn(2, 8, 3), torch.rand(8)
+    config = LtriConfig(block_size=4, n_init=4, n_local=8, min_vectors=2, max_vectors=3, successor_tail=0)
+    indexer = Indexer(config, SimpleNamespace(num_attention_heads=2))
+    cache = SimpleNamespace(span_queue=[], pick_queue=[(layer, 0, 0, keys, votes)],
+                            stats={"blocks_indexed": 0, "spans": 0})
+    indexer.flush(cache)
+    assert layer.index.block.used.tolist() == [0, 0, 0, 1, 1, 1] and cache.stats["blocks_indexed"] == 2
+    assert not cache.pick_queue
+
+
 def test_retrieval_slots_keep_blocks_already_loaded():
     from types import SimpleNamespace
 

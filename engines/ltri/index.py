@@ -70,6 +70,7 @@ class Indexer:
         blocks = torch.stack([own[lo + k * b:lo + (k + 1) * b, lo + k * b:lo + (k + 1) * b] for k in range(count)])
         cache.span_queue.append((layer, layer_idx, first, blocks))
 
+    @torch.inference_mode()
     def flush(self, cache: LtriCache) -> None:
         """Divides every queued block map into spans (one batched call, one device -> host copy), then picks
         the index vectors of the blocks evicted since the last flush (`pick: cover`, batched over layers)."""
