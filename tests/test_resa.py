@@ -102,15 +102,16 @@ def test_bad_config_names_the_key(key, value, message):
 
 
 def test_shipped_profiles_pooling():
-    """resa ships softmax pooling and a sink block (beyond the paper); resa-paper is the paper's exact rule."""
+    """resa ships softmax pooling, block centroids and a sink block (beyond the paper); resa-paper is the
+    paper's exact rule."""
     ours, paper = resolve_profile("resa", {}).engine_config, resolve_profile("resa-paper", {}).engine_config
-    assert (ours.pooling, ours.sink_blocks) == ("softmax", 1)
-    assert (paper.pooling, paper.sink_blocks, paper.keep_ratio, paper.min_blocks, paper.block_size,
-            paper.rectify_every) == ("mean", 0, 0.1, 16, 16, 32)
+    assert (ours.pooling, ours.centroid, ours.sink_blocks) == ("softmax", True, 1)
+    assert (paper.pooling, paper.centroid, paper.sink_blocks, paper.keep_ratio, paper.min_blocks, paper.block_size,
+            paper.rectify_every) == ("mean", False, 0, 0.1, 16, 16, 32)
 
 
 def test_memory_plan_counts_descriptors(lm):
-    profile = resolve_profile("resa", {})
+    profile = resolve_profile("resa", {"centroid": False})
     config = lm.model.config
     dense = ENGINES["dense"].memory_plan(config, 4096, 4)
     # Gemma 3 270M: 3 global layers x 1 KV head x 256 dims x 2 (max, min) x 256 blocks x 4 bytes.
