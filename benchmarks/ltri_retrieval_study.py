@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -60,11 +61,8 @@ def _needle_ranks(indexer, layer, layer_idx, query, key, scaling, cache, wanted)
     allq = query[0].transpose(0, 1)
     keys = layer.memory.keys.used.float()  # [n, Hkv, block, D]
     own = layer.index.block_scores(weighted(qvec), n_blocks)[0]
-    scores = {}
-    finite = torch.isfinite(own)
-    norm = torch.where(finite, (own - own[finite].min()) / (own[finite].max() - own[finite].min()).clamp(min=1e-6), 0.0)
-    weight = indexer.heads[layer_idx][1] if layer_idx in indexer.heads else 0.1
-    scores["engine"] = weight * norm + sum(wt * sc for wt, sc in cache.chunk_votes)
+    # The engine's own voting, on a copy of this chunk's votes so far (retrieve adds this layer's after us).
+    scores = {"engine": indexer._vote(layer_idx, own, SimpleNamespace(chunk_votes=list(cache.chunk_votes)))}
     scores["no_vote"] = own
     scores["all_q"] = layer.index.block_scores(weighted(allq), n_blocks)[0]
     scores["last_q"] = layer.index.block_scores(weighted(allq[-1:]), n_blocks)[0]

@@ -62,9 +62,10 @@ class LtriConfig:
     min_vectors: int = 12
     max_vectors: int = 48
     # Which tokens become index vectors: "votes" (the paper: each span's most-attended ones) or "cover" (ours:
-    # farthest-point samples of the block's keys, one inside each span, the same count per block). On the embedded model the votes of the
-    # first global layer went to a UUID's characters and lost the words the question matches: at the question
-    # the needle's block ranked 12th-25th there against 1st with all of the block's keys (4K, 1,408-row budget).
+    # farthest-point samples of the block's keys, one inside each span, the same count per block). On the
+    # embedded model the votes of the first global layer went to a UUID's characters and lost the words the
+    # question matches: at the question the needle's block ranked 12th-25th there against 1st with all of the
+    # block's keys (4K, 1,408-row budget).
     pick: str = "cover"
     # A retrieved block whose best match lies in its last successor_tail tokens brings the next block along
     # (ours; 0: off): 4 of 10 UUID needles at 4K straddled two 128-token blocks, and the question only matched

@@ -224,7 +224,8 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
         raise ValueError(f"expected width >= {rule.keep(NB)} (the blocks kept at capacity), got {width}")
     if D & (D - 1) or block_size & (block_size - 1):
         raise ValueError(f"expected head_dim and block_size powers of two, got {D} and {block_size}")
-    for name, t in (("q", q), ("kmax", kmax), ("kmin", kmin), ("length", length)):
+    described = (("kmean", kmean),) if rule.centroid else ()
+    for name, t in (("q", q), ("kmax", kmax), ("kmin", kmin), ("length", length), *described):
         check_device(name, t, q.device)
     group = Hq // Hkv
     softmax = rule.pooling == "softmax"
