@@ -3,7 +3,7 @@
 Decoding keeps the retrieval of the last prefill chunk (the question's), so a needle answer needs the needle's
 block(s) among them. Per sample: the needles' block ids (block b holds positions n_init + b * block_size ...),
 per full-attention layer the retrieved blocks of the question chunk, whether they cover every needle block,
-and the answer and its score.
+how many blocks of the other needles (multi-key distractors) came along, and the answer and its score.
 
     python benchmarks/ltri_retrieval_study.py --task niah_single_3 --length 4096 --samples 5 \\
         --set n_local=512 --set top_k=4 --chunk-size 256
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,6 +36,14 @@ def needle_blocks(tokenizer, prefix_len: int, document: str, needle: str, n_init
     first = prefix_len + len(_ids(tokenizer, document[:start]))
     last = prefix_len + len(_ids(tokenizer, document[:start + len(needle)])) - 1
     return sorted({max(0, (p - n_init) // block) for p in (first, last)})
+
+
+def distractor_blocks(tokenizer, prefix_len: int, document: str, expected: list[str], n_init: int,
+                      block: int) -> list[int]:
+    """Blocks of the needles whose values are not asked for (niah_multikey's other keys)."""
+    needles = re.findall(r"One of the special magic \w+ for .+? is: [\w-]+\.", document)
+    return sorted({b for n in needles if not any(v in n for v in expected)
+                   for b in needle_blocks(tokenizer, prefix_len, document, n, n_init, block)})
 
 
 def _rank(scores: torch.Tensor, wanted: list[int]) -> int:
@@ -88,6 +97,9 @@ def main() -> None:
     parser.add_argument("--inject", default="",
                         help="comma-separated layer ids: force the needle blocks into these layers' question "
                              "retrieval (the paper's mandatory evidence injection, appendix A); 'all' for every layer")
+    parser.add_argument("--exclude-distractors", action="store_true",
+                        help="keep the other needles' blocks (multi-key distractors) out of the question's retrieval "
+                             "in every layer: what a perfectly precise retrieval would give")
     parser.add_argument("--diagnose", action="store_true",
                         help="at the question chunk, rank the needle block under several block-scoring variants")
     parser.add_argument("--out", type=Path)
@@ -103,16 +115,20 @@ def main() -> None:
     engine = ENGINES["ltri-stream"](lm, cfg, prof.run)
     builder = PromptBuilder(lm.tokenizer, "auto", [])
     forced: list[int] = []
-    if args.inject:
+    barred: list[int] = []
+    if args.inject or args.exclude_distractors:
         vote = engine.indexer._vote
-        layers = None if args.inject == "all" else {int(x) for x in args.inject.split(",")}
+        layers = None if args.inject in ("all", "") else {int(x) for x in args.inject.split(",")}
 
         def injected(layer_idx, scores, cache):
             scores = vote(layer_idx, scores, cache)
-            if forced and (layers is None or layer_idx in layers):
+            if args.inject and forced and (layers is None or layer_idx in layers):
                 scores = scores.clone()
                 stored = [b for b in forced if b < scores.numel()]  # blocks still in the window need no help
                 scores[stored] = scores.max() + 1.0
+            if barred:
+                scores = scores.clone()
+                scores[[b for b in barred if b < scores.numel()]] = float("-inf")
             return scores
         engine.indexer._vote = injected
     diagnosis: dict = {}
@@ -134,10 +150,15 @@ def main() -> None:
         needles = [needle_blocks(lm.tokenizer, builder.prefix.numel(), sample.document, n, cfg.n_init,
                                  cfg.block_size) for n in sample.expected]
         wanted = sorted({b for blocks in needles for b in blocks})
+        others = [b for b in distractor_blocks(lm.tokenizer, builder.prefix.numel(), sample.document,
+                                               sample.expected, cfg.n_init, cfg.block_size) if b not in wanted]
         forced.clear()
+        barred.clear()
         state = engine.prefill(doc, reserve=tail.numel() + 128)
         forced.extend(wanted)  # the question chunk only: decoding keeps its retrieval
         forced_question[:] = wanted
+        if args.exclude_distractors:
+            barred.extend(others)
         diagnosis.clear()
         text = AnswerText(lm.tokenizer, builder.stop_strings, builder.stop_ids)
         stream = engine.answer(state, tail, 128, Sampler())
@@ -149,10 +170,16 @@ def main() -> None:
         # The blocks decoding read: each retrieving layer's slots after the question.
         retrieved = {i: [b for b in layer.slots if b >= 0] for i, layer in enumerate(state.cache.layers)
                      if layer.retrieve}
-        covered = {layer: all(b in got for b in wanted) for layer, got in retrieved.items()}
+        # Blocks not yet evicted sit in the window, which decoding reads whole.
+        stored = next(layer.memory.n_blocks for layer in state.cache.layers if layer.retrieve)
+        covered = {layer: all(b in got or b >= stored for b in wanted) for layer, got in retrieved.items()}
         row = {"index": sample.index, "depths": sample.depths, "score": 100 * score(sample, text.text),
                "answer": text.text.strip()[:80], "expected": sample.expected, "needle_blocks": needles,
                "layers_covering_needles": f"{sum(covered.values())}/{len(covered)}", "retrieved": retrieved}
+        if others:
+            row["distractor_blocks"] = others
+            row["distractors_per_layer"] = {layer: sum(b in got or b >= stored for b in others)
+                                            for layer, got in retrieved.items()}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "retrieved"}), flush=True)
         print("   retrieved per layer:", retrieved, flush=True)
