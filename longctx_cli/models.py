@@ -77,6 +77,29 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return longctx_home() / "models" / f"{gguf.stem}-{key}"
 
 
+def _convert_once(out: Path, convert, progress) -> Path:
+    """Runs convert() (which writes `out`) unless `out` is complete. Several longctx processes started together on
+    a fresh cache take turns on a lock next to the folder: the first converts, the others wait and find it done
+    (two at once overwrote each other's files and left a tokenizer that read every text as one token)."""
+    if (out / "longctx.json").exists():
+        return out
+    from filelock import FileLock, Timeout
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(f"{out}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        progress("waiting for another longctx process that is converting this model")
+        lock.acquire()
+    try:
+        if not (out / "longctx.json").exists():
+            convert()
+    finally:
+        lock.release()
+    return out
+
+
 def embedded_model_dir(progress=lambda msg: None) -> Path:
     """The converted embedded model folder, converting the packaged GGUF on first use."""
     out = longctx_home() / "models" / EMBEDDED
@@ -90,9 +113,12 @@ def embedded_model_dir(progress=lambda msg: None) -> Path:
         ) from None
     from longctx_cli.gguf_convert import convert_gguf
 
-    progress("assembling the packaged GGUF")
-    gguf = assemble(longctx_home() / "gguf" / "gemma-3-270m-q4_k_m.gguf")
-    return convert_gguf(Path(gguf), out, progress)
+    def convert():
+        progress("assembling the packaged GGUF")
+        gguf = assemble(longctx_home() / "gguf" / "gemma-3-270m-q4_k_m.gguf")
+        convert_gguf(Path(gguf), out, progress)
+
+    return _convert_once(out, convert, progress)
 
 
 def resolve_model_dir(spec: str | None, progress=lambda msg: None) -> Path | None:
@@ -107,12 +133,10 @@ def resolve_model_dir(spec: str | None, progress=lambda msg: None) -> Path | Non
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelError(f"no such GGUF file: {spec}")
-        out = _gguf_cache_dir(path)
-        if not (out / "longctx.json").exists():
-            from longctx_cli.gguf_convert import convert_gguf
+        from longctx_cli.gguf_convert import convert_gguf
 
-            convert_gguf(path, out, progress)
-        return out
+        out = _gguf_cache_dir(path)
+        return _convert_once(out, lambda: convert_gguf(path, out, progress), progress)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelError(f"{spec} is a folder but has no config.json: not a HF model folder")
