@@ -24,6 +24,7 @@ from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.block_descriptors import update_block_descriptors  # noqa: E402
+import kernels.block_select.triton as select_triton  # noqa: E402
 from kernels.block_select import KeepRule, select_blocks  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
 from kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
@@ -43,24 +44,37 @@ def bench(shape: str, length: int, rule: KeepRule) -> dict:
     n_blocks = triton.cdiv(length, BLOCK)
     kmax = torch.empty(1, Hkv, n_blocks, D, **opts)
     kmin = torch.empty_like(kmax)
+    kmean = torch.empty_like(kmax) if rule.centroid else None
     n = torch.tensor([length], device="cuda")
-    update_block_descriptors(k, kmax, kmin, n, length, BLOCK)
+    update_block_descriptors(k, kmax, kmin, n, length, BLOCK, kmean)
     width = rule.keep(n_blocks)
     scale = D**-0.5
-    blocks = select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale)
+
+    def select():
+        return select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale, kmean=kmean)
+
+    def select_binary_search():  # the resident top-k before the radix select, for comparison
+        select_triton.RADIX = False
+        try:
+            select()
+        finally:
+            select_triton.RADIX = True
+
+    blocks = select()
     q_rect = torch.randn(1, Hq, RECTIFY, D, **opts)
     pos = torch.arange(length, device="cuda")
     rect_mask = pos[None, :] <= (length - RECTIFY + torch.arange(RECTIFY, device="cuda"))[:, None]
 
     def estimation():
-        update_block_descriptors(k, kmax, kmin, n, 1, BLOCK)
-        select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale)
+        update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, kmean)
+        select()
 
     fns = {
         "dense_attention": lambda: decode_attention(q, k, v, n, scale=scale),
         "estimation": estimation,
-        "descriptor_update": lambda: update_block_descriptors(k, kmax, kmin, n, 1, BLOCK),
-        "select": lambda: select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale),
+        "descriptor_update": lambda: update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, kmean),
+        "select": select,
+        "select_binary_search": select_binary_search,
         "sparse_attention": lambda: sparse_decode_attention(q, k, v, blocks, n, block_size=BLOCK, scale=scale),
         "rectify_attention_triton": lambda: decode_attention(q_rect, k, v, n, scale=scale),
         "rectify_attention_sdpa": lambda: F.scaled_dot_product_attention(
@@ -122,6 +136,7 @@ def main() -> None:
     parser.add_argument("--keep-ratio", type=float, default=0.1)
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated context lengths")
     parser.add_argument("--pooling", default="mean", choices=("mean", "softmax"))
+    parser.add_argument("--centroid", action="store_true", help="block mean keys as a third descriptor (resa.yaml)")
     parser.add_argument("--sweep-sparse", action="store_true", help="only sweep the sparse kernel's tiling")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -134,10 +149,10 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
         return
-    rule = KeepRule(args.keep_ratio, 16, 1, 1, args.pooling)
+    rule = KeepRule(args.keep_ratio, 16, 1, 1, args.pooling, centroid=args.centroid)
     rows = []
-    cols = ("dense_attention", "descriptor_update", "select", "sparse_attention", "rectify_attention_triton",
-            "rectify_attention_sdpa")
+    cols = ("dense_attention", "descriptor_update", "select", "select_binary_search", "sparse_attention",
+            "rectify_attention_triton", "rectify_attention_sdpa")
     print(f"{'shape':<13} {'length':>7} " + " ".join(f"{c[:16]:>16}" for c in cols) + "  speedup", flush=True)
     for shape in SHAPES:
         for length in map(int, args.lengths.split(",")):
@@ -146,7 +161,8 @@ def main() -> None:
             print(f"{shape:<13} {length:>7} " + " ".join(f"{r['ms'][c]:16.4f}" for c in cols)
                   + f"  {r['speedup_estimation_plus_sparse_vs_dense']:.2f}x", flush=True)
             torch.cuda.empty_cache()
-    result = {**meta, "keep_ratio": args.keep_ratio, "pooling": args.pooling, "sink_blocks": 1, "block_size": BLOCK, "rows": rows}
+    result = {**meta, "keep_ratio": args.keep_ratio, "pooling": args.pooling, "centroid": args.centroid,
+              "sink_blocks": 1, "block_size": BLOCK, "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 

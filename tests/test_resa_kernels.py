@@ -369,6 +369,40 @@ def test_select_triton_matches_reference(D, group, L, pooling):
                 torch.testing.assert_close(ka, kr, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("n_blocks", [40, 1000, 5000], ids=lambda n: f"NB{n}")
+@pytest.mark.gpu
+@needs_triton
+def test_select_triton_breaks_ties_by_lowest_index(n_blocks):
+    """Scores with heavy ties (4 distinct values, negatives and zero included): the kernel keeps every block
+    above the k-th largest score and the lowest-indexed blocks among those equal to it, whatever the search
+    (radix or binary) and however the blocks split into the two resident parts."""
+    import kernels.block_select.triton as tri
+
+    D = 64
+    torch.manual_seed(42)
+    level = torch.randint(-1, 3, (1, 2, n_blocks), dtype=torch.float32)
+    kmax = torch.zeros(1, 2, n_blocks, D)
+    kmax[..., 0] = level
+    q = torch.ones(1, 2, D)
+    length = torch.tensor([n_blocks * BS - 3])
+    rule = KeepRule(0.1, 16, 1)
+    width = rule.keep(n_blocks) + 3
+    args = [t.to(DEVICE) for t in (q, kmax, kmax.clone(), length)]
+    for radix in (True, False):
+        tri.RADIX = radix
+        try:
+            got = tri.select_blocks_triton(*args, block_size=BS, rule=rule, width=width).cpu()
+        finally:
+            tri.RADIX = True
+        k = rule.keep(n_blocks)
+        for h in range(2):
+            score = level[0, h].clone()
+            score[-1] = float("inf")  # the local block
+            order = sorted(range(n_blocks), key=lambda i: (-score[i].item(), i))
+            assert got[0, h, :k].tolist() == sorted(order[:k]), f"radix={radix} head {h}"
+            assert (got[0, h, k:] == -1).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("L", [1, 17, 1000, 4097, 32768], ids=lambda n: f"L{n}")
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")
