@@ -24,7 +24,6 @@ from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.block_descriptors import update_block_descriptors  # noqa: E402
-import kernels.block_select.triton as select_triton  # noqa: E402
 from kernels.block_select import KeepRule, select_blocks  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
 from kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
@@ -53,13 +52,6 @@ def bench(shape: str, length: int, rule: KeepRule) -> dict:
     def select():
         return select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale, kmean=kmean)
 
-    def select_binary_search():  # the resident top-k before the radix select, for comparison
-        select_triton.RADIX = False
-        try:
-            select()
-        finally:
-            select_triton.RADIX = True
-
     blocks = select()
     q_rect = torch.randn(1, Hq, RECTIFY, D, **opts)
     pos = torch.arange(length, device="cuda")
@@ -74,7 +66,6 @@ def bench(shape: str, length: int, rule: KeepRule) -> dict:
         "estimation": estimation,
         "descriptor_update": lambda: update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, kmean),
         "select": select,
-        "select_binary_search": select_binary_search,
         "sparse_attention": lambda: sparse_decode_attention(q, k, v, blocks, n, block_size=BLOCK, scale=scale),
         "rectify_attention_triton": lambda: decode_attention(q_rect, k, v, n, scale=scale),
         "rectify_attention_sdpa": lambda: F.scaled_dot_product_attention(
@@ -151,8 +142,8 @@ def main() -> None:
         return
     rule = KeepRule(args.keep_ratio, 16, 1, 1, args.pooling, centroid=args.centroid)
     rows = []
-    cols = ("dense_attention", "descriptor_update", "select", "select_binary_search", "sparse_attention",
-            "rectify_attention_triton", "rectify_attention_sdpa")
+    cols = ("dense_attention", "descriptor_update", "select", "sparse_attention", "rectify_attention_triton",
+            "rectify_attention_sdpa")
     print(f"{'shape':<13} {'length':>7} " + " ".join(f"{c[:16]:>16}" for c in cols) + "  speedup", flush=True)
     for shape in SHAPES:
         for length in map(int, args.lengths.split(",")):

@@ -6,10 +6,10 @@
    `_softmax_pool_kernel` (same grid) reduces those over the tiles and sums the heads' probabilities.
 2. `_block_topk_resident_kernel`, one program per (batch, kv head): finds the k-th largest score exactly over
    the scores' order-preserving integer keys, held in registers as two power-of-two parts (k is computed on
-   the device from `length`): a radix select, four 8-bit histogram passes, most significant digit first
-   (RADIX; else a 32-step binary search, 32 count-reductions), then writes the blocks scoring above it, plus
-   as many ties as needed (lowest index first), in ascending order, and pads with -1. Past _RESIDENT_MAX
-   blocks, `_block_topk_kernel` does the binary search in passes over the scores (which stay in L2).
+   the device from `length`) by a 32-step binary search, then writes the blocks scoring above it, plus as many
+   ties as needed (lowest index first), in ascending order, and pads with -1. (A radix select, four passes of
+   tl.histogram over 8-bit digits, measured 1.8x slower on an H100.) Past _RESIDENT_MAX blocks,
+   `_block_topk_kernel` does the same in passes over the scores (which stay in L2).
 """
 
 from __future__ import annotations
@@ -27,9 +27,6 @@ _SELECT_TILE = 2048  # scores per pass step of the selection program (long conte
 # 16,384 was too tight: a 256K-token document plus its answer room (16,389 blocks) fell to the multipass kernel.
 _RESIDENT_MAX = 32768
 _LOG2E = 1.4426950408889634
-# The resident top-k's threshold search: radix select (4 histogram passes) or binary search (32 count passes);
-# a module switch so that benchmarks/bench_resa_kernels.py can time both.
-RADIX = True
 
 
 @triton.jit
@@ -166,29 +163,9 @@ def _resident_keys(Row, offs, inside):
 
 
 @triton.jit
-def _radix_kth(key_a, in_a, key_b, in_b, k):
-    """The k-th largest of the valid int32 keys (in_a, in_b), k <= their count: one 256-bin histogram per 8-bit
-    digit, most significant first, over the keys that share the digits found so far."""
-    ua = key_a.to(tl.int64) + 2147483648  # unsigned order, in [0, 2^32)
-    ub = key_b.to(tl.int64) + 2147483648
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros([], dtype=tl.int64)
-    rest = k.to(tl.int32)  # how many of the keys sharing the prefix are still to be taken
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = tl.histogram(((ua >> shift) & 255).to(tl.int32), 256, mask=in_a & ((ua >> (shift + 8)) == prefix))
-        hist += tl.histogram(((ub >> shift) & 255).to(tl.int32), 256, mask=in_b & ((ub >> (shift + 8)) == prefix))
-        at_least = tl.cumsum(hist, 0, reverse=True)  # keys with this digit or a larger one
-        digit = tl.max(tl.where(at_least >= rest, bins, -1), 0)
-        rest -= tl.sum(tl.where(bins > digit, hist, 0), 0)
-        prefix = prefix * 256 + digit
-    return (prefix - 2147483648).to(tl.int32)
-
-
-@triton.jit
 def _block_topk_resident_kernel(
     Scores, Length, Out, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
-    BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr, RADIX: tl.constexpr,
+    BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr,
 ):
     """_block_topk_kernel for up to NB_MAIN + NB_REST blocks: the scores are loaded once and searched in
     registers, as two power-of-two parts (16,389 blocks are 16,384 + 16 rather than 32,768)."""
@@ -204,19 +181,16 @@ def _block_topk_resident_kernel(
     in_b = offs_b < n_blocks
     key_a = _resident_keys(row, offs_a, in_a)
     key_b = _resident_keys(row, offs_b, in_b)
-    if RADIX:
-        thr = _radix_kth(key_a, in_a, key_b, in_b, k)
-    else:
-        lo = tl.full([], -2147483648, tl.int64)
-        hi = tl.full([], 2147483648, tl.int64)
-        for _ in range(32):
-            mid = (lo + hi) >> 1
-            m32 = mid.to(tl.int32)
-            count = tl.sum(((key_a >= m32) & in_a).to(tl.int32), 0) + tl.sum(((key_b >= m32) & in_b).to(tl.int32), 0)
-            enough = count >= k
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid)
-        thr = lo.to(tl.int32)
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483648, tl.int64)
+    for _ in range(32):
+        mid = (lo + hi) >> 1
+        m32 = mid.to(tl.int32)
+        count = tl.sum(((key_a >= m32) & in_a).to(tl.int32), 0) + tl.sum(((key_b >= m32) & in_b).to(tl.int32), 0)
+        enough = count >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    thr = lo.to(tl.int32)
     gt_a, eq_a = (key_a > thr) & in_a, (key_a == thr) & in_a
     gt_b, eq_b = (key_b > thr) & in_b, (key_b == thr) & in_b
     ties = k - tl.sum(gt_a.to(tl.int32), 0) - tl.sum(gt_b.to(tl.int32), 0)
@@ -287,7 +261,8 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
             _block_topk_resident_kernel[(B * Hkv,)](
                 scores, length, out, NB, width, num, den, rule.min_blocks, Hkv,
                 BLOCK=block_size, NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)),
-                RADIX=RADIX, num_warps=min(16, max(4, (main + rest) // 1024)),
+                # A power of two (Triton's rule): 4,096 + 1,024 blocks gave 5 warps and failed to compile.
+                num_warps=min(16, max(4, triton.next_power_of_2((main + rest) // 1024))),
             )
         else:
             _block_topk_kernel[(B * Hkv,)](
