@@ -28,7 +28,7 @@ from longctx_cli.models import load_model  # noqa: E402
 from longctx_cli.profiles import resolve_profile  # noqa: E402
 from longctx_cli.report import run_stamp  # noqa: E402
 from longctx_cli.prompt import AnswerText  # noqa: E402
-from longctx_cli.tasks import generate, score  # noqa: E402
+from longctx_cli.tasks import ANSWER_BUDGET, generate, score  # noqa: E402
 
 
 def needle_blocks(tokenizer, prefix_len: int, document: str, needle: str, n_init: int, block: int) -> list[int]:
@@ -44,6 +44,28 @@ def distractor_blocks(tokenizer, prefix_len: int, document: str, expected: list[
     needles = re.findall(r"One of the special magic \w+ for .+? is: [\w-]+\.", document)
     return sorted({b for n in needles if not any(v in n for v in expected)
                    for b in needle_blocks(tokenizer, prefix_len, document, n, n_init, block)})
+
+
+@torch.inference_mode()
+def exact_kv(state, dense_cache, n_init: int, block: int, which: str = "all") -> None:
+    """Replaces the ltri cache's K/V (device rows by their positions, CPU context memory by block) with dense's;
+    which: all, stored (init rows and context memory) or window (the window's rows)."""
+    for layer, ref in zip(state.cache.layers, dense_cache.layers):
+        held = layer.key_pos >= 0
+        window = torch.zeros_like(held)
+        window[layer.local0:] = True
+        if which != "all":
+            held &= window if which == "window" else ~window
+        rows = held.nonzero().flatten()
+        pos = layer.key_pos[rows]
+        layer.keys[:, :, rows] = ref.keys[:, :, pos].to(layer.keys.device)
+        layer.values[:, :, rows] = ref.values[:, :, pos].to(layer.values.device)
+        if layer.retrieve and which != "window":
+            n = layer.memory.n_blocks
+            span = slice(n_init, n_init + n * block)
+            for mine, theirs in ((layer.memory.keys, ref.keys), (layer.memory.values, ref.values)):
+                exact = theirs[0, :, span].reshape(theirs.shape[1], n, block, -1).transpose(0, 1)
+                mine.used.copy_(exact.to(mine.used.dtype).cpu())
 
 
 def _rank(scores: torch.Tensor, wanted: list[int]) -> int:
@@ -92,6 +114,8 @@ def main() -> None:
     parser.add_argument("--task", default="niah_single_3")
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0, help="the harness's sample seed (bench --seed)")
+    parser.add_argument("--only", default="", help="comma-separated sample indices to run (of the first --samples)")
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE profile overrides")
     parser.add_argument("--inject", default="",
@@ -100,6 +124,11 @@ def main() -> None:
     parser.add_argument("--exclude-distractors", action="store_true",
                         help="keep the other needles' blocks (multi-key distractors) out of the question's retrieval "
                              "in every layer: what a perfectly precise retrieval would give")
+    parser.add_argument("--exact-kv", choices=("all", "stored", "window"),
+                        help="before the question, overwrite K/V the engine holds with dense prefill's: all (device "
+                             "rows and CPU context memory: what is left is the thinned context at decode, without the "
+                             "drift of K/V computed over a thinned context), stored (init tokens and context memory "
+                             "only) or window (the local window only)")
     parser.add_argument("--diagnose", action="store_true",
                         help="at the question chunk, rank the needle block under several block-scoring variants")
     parser.add_argument("--out", type=Path)
@@ -113,6 +142,10 @@ def main() -> None:
     prof = resolve_profile("ltri-stream", overrides)
     cfg = prof.engine_config
     engine = ENGINES["ltri-stream"](lm, cfg, prof.run)
+    dense = None
+    if args.exact_kv:
+        dprof = resolve_profile("dense", {"chunk_size": args.chunk_size})
+        dense = ENGINES["dense"](lm, dprof.engine_config, dprof.run)
     builder = PromptBuilder(lm.tokenizer, "auto", [])
     forced: list[int] = []
     barred: list[int] = []
@@ -143,8 +176,12 @@ def main() -> None:
         engine.indexer.retrieve = diagnosed
     forced_question: list[int] = []
     rows = []
-    for sample in generate(args.task, args.length, args.samples, lm.tokenizer, seed=0, budget=128,
+    only = {int(i) for i in args.only.split(",") if i}
+    budget = min(ANSWER_BUDGET[args.task], prof.run.max_new_tokens)  # as `longctx bench`: the same samples
+    for sample in generate(args.task, args.length, args.samples, lm.tokenizer, seed=args.seed, budget=budget,
                            overhead=builder.overhead()):
+        if only and sample.index not in only:
+            continue
         doc = torch.cat([builder.prefix, _ids(lm.tokenizer, sample.document)])
         tail = builder.tail(sample.question, sample.answer_prefix)
         needles = [needle_blocks(lm.tokenizer, builder.prefix.numel(), sample.document, n, cfg.n_init,
@@ -154,14 +191,20 @@ def main() -> None:
                                                sample.expected, cfg.n_init, cfg.block_size) if b not in wanted]
         forced.clear()
         barred.clear()
-        state = engine.prefill(doc, reserve=tail.numel() + 128)
+        if dense is not None:
+            ref = dense.prefill(doc, reserve=tail.numel() + budget)
+        state = engine.prefill(doc, reserve=tail.numel() + budget)
+        if dense is not None:
+            exact_kv(state, ref.cache, cfg.n_init, cfg.block_size, args.exact_kv)
+            del ref
+            engine.activate()
         forced.extend(wanted)  # the question chunk only: decoding keeps its retrieval
         forced_question[:] = wanted
         if args.exclude_distractors:
             barred.extend(others)
         diagnosis.clear()
         text = AnswerText(lm.tokenizer, builder.stop_strings, builder.stop_ids)
-        stream = engine.answer(state, tail, 128, Sampler())
+        stream = engine.answer(state, tail, budget, Sampler())
         for token in stream:
             text.feed(token)
             if text.done:
@@ -173,8 +216,8 @@ def main() -> None:
         # Blocks not yet evicted sit in the window, which decoding reads whole.
         stored = next(layer.memory.n_blocks for layer in state.cache.layers if layer.retrieve)
         covered = {layer: all(b in got or b >= stored for b in wanted) for layer, got in retrieved.items()}
-        row = {"index": sample.index, "depths": sample.depths, "score": 100 * score(sample, text.text),
-               "answer": text.text.strip()[:80], "expected": sample.expected, "needle_blocks": needles,
+        row = {"index": sample.index, "prompt_hash": sample.prompt_hash, "depths": sample.depths,
+               "score": 100 * score(sample, text.text), "answer": text.text.strip()[:80], "expected": sample.expected, "needle_blocks": needles,
                "layers_covering_needles": f"{sum(covered.values())}/{len(covered)}", "retrieved": retrieved}
         if others:
             row["distractor_blocks"] = others
