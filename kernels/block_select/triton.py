@@ -244,9 +244,8 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     with launch_context(q.device):
         _block_scores_kernel[(B * Hkv, n_tiles)](
             q, kmax, kmin, kmean if rule.centroid else kmax, length, scores, bounds, tile_max, tile_sum, Hkv, NB,
-            n_tiles, rule.local_blocks,
-            rule.sink_blocks, scale * _LOG2E, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
-            kmax.stride(2), GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
+            n_tiles, rule.local_blocks, rule.sink_blocks, scale * _LOG2E, q.stride(0), q.stride(1), kmax.stride(0),
+            kmax.stride(1), kmax.stride(2), GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
             TILE=_SCORE_TILE, SOFTMAX=softmax, CENTROID=rule.centroid, num_warps=4,
         )
         if softmax:
