@@ -121,6 +121,44 @@ def sweep_sparse(shape: str = "llama-3.1-8b", length: int = 131072) -> list[dict
     return rows
 
 
+def sweep_select(lengths: list[int], rule: KeepRule, shape: str = "llama-3.1-8b") -> list[dict]:
+    """Scoring tile and warps, and the top-k's warps, of block selection with softmax pooling (one layer, median
+    ms; top-k warps 0 = the launcher's rule)."""
+    import kernels.block_select.triton as sel
+
+    Hq, Hkv, D = SHAPES[shape]
+    opts = dict(device="cuda", dtype=torch.bfloat16)
+    saved = (sel._DOT_ELEMENTS, sel._SCORE_WARPS, sel._TOPK_WARPS)
+    rows = []
+    for length in lengths:
+        q = torch.randn(1, Hq, D, **opts)
+        k = torch.randn(1, Hkv, length, D, **opts)
+        n_blocks = triton.cdiv(length, BLOCK)
+        kmax, kmin, kmean = (torch.empty(1, Hkv, n_blocks, D, **opts) for _ in range(3))
+        n = torch.tensor([length], device="cuda")
+        update_block_descriptors(k, kmax, kmin, n, length, BLOCK, kmean if rule.centroid else None)
+        args = dict(block_size=BLOCK, rule=rule, width=rule.keep(n_blocks), scale=D**-0.5,
+                    kmean=kmean if rule.centroid else None)
+        expected = sel.select_blocks_triton(q, kmax, kmin, n, **args)
+        configs = [(t, w, 0) for t in (32, 64, 128) for w in (2, 4, 8)] + [(64, 4, w) for w in (4, 8, 16, 32)]
+        for tile, warps, topk_warps in configs:
+            sel._DOT_ELEMENTS, sel._SCORE_WARPS, sel._TOPK_WARPS = tile * D, warps, topk_warps
+            fn = lambda: sel.select_blocks_triton(q, kmax, kmin, n, **args)  # noqa: E731
+            try:
+                same = torch.equal(fn(), expected)
+                with torch.cuda.stream(torch.cuda.Stream()):
+                    ms = do_bench_cudagraph(fn, rep=50, return_mode="median")
+            except Exception as e:  # a config that does not compile is reported and skipped
+                print(f"select {length} tile {tile} warps {warps} top-k warps {topk_warps}: {type(e).__name__}: {e}"[:300])
+                continue
+            rows.append({"length": length, "score_tile": tile, "score_warps": warps, "topk_warps": topk_warps,
+                         "ms": ms, "same_blocks_as_default": same})
+            print(f"select {length} tile {tile} warps {warps} top-k warps {topk_warps}: {ms:.4f} ms same={same}",
+                  flush=True)
+        sel._DOT_ELEMENTS, sel._SCORE_WARPS, sel._TOPK_WARPS = saved
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -129,6 +167,7 @@ def main() -> None:
     parser.add_argument("--pooling", default="mean", choices=("mean", "softmax"))
     parser.add_argument("--centroid", action="store_true", help="block mean keys as a third descriptor (resa.yaml)")
     parser.add_argument("--sweep-sparse", action="store_true", help="only sweep the sparse kernel's tiling")
+    parser.add_argument("--sweep-select", action="store_true", help="only sweep the selection's tiling and search")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/bench_resa_kernels.py needs a CUDA device")
@@ -141,6 +180,12 @@ def main() -> None:
             args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
         return
     rule = KeepRule(args.keep_ratio, 16, 1, 1, args.pooling, centroid=args.centroid)
+    if args.sweep_select:
+        rows = sweep_select(list(map(int, args.lengths.split(","))), rule)
+        if args.out:
+            args.out.write_text(json.dumps({**meta, "pooling": args.pooling, "centroid": args.centroid,
+                                            "keep_ratio": args.keep_ratio, "rows": rows}, indent=2) + "\n")
+        return
     rows = []
     cols = ("dense_attention", "descriptor_update", "select", "sparse_attention", "rectify_attention_triton",
             "rectify_attention_sdpa")

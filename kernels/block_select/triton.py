@@ -1,9 +1,10 @@
 """Triton block scoring and top-k selection: two launches (three with softmax pooling), no host synchronisation.
 
-1. `_block_scores_kernel`, one program per (batch, kv head, tile of blocks): the group-averaged query against
-   the tile's max/min descriptors. Blocks past the end are not read. With softmax pooling it writes each
-   head's scaled bounds and the tile's per-head max and sum of exponentials instead, and
-   `_softmax_pool_kernel` (same grid) reduces those over the tiles and sums the heads' probabilities.
+1. One program per (batch, kv head, tile of blocks); blocks past the end are not read. Mean pooling:
+   `_block_scores_kernel`, the group-averaged query against the tile's max/min descriptors. Softmax pooling:
+   `_head_bounds_kernel` writes each head's scaled bounds (Quest's bound as two tensor-core products) and the
+   tile's per-head max and sum of exponentials, and `_softmax_pool_kernel` (same grid) reduces those over
+   the tiles and sums the heads' probabilities.
 2. `_block_topk_resident_kernel`, one program per (batch, kv head): finds the k-th largest score exactly over
    the scores' order-preserving integer keys, held in registers as two power-of-two parts (k is computed on
    the device from `length`) by a 32-step binary search, then writes the blocks scoring above it, plus as many
@@ -21,7 +22,12 @@ import triton.language as tl
 from kernels._triton_common import check_device, launch_context
 from kernels.block_select.reference import KeepRule
 
-_SCORE_TILE = 64  # blocks per scoring program
+_SCORE_TILE = 64  # blocks per scoring program (mean pooling)
+# Softmax pooling's scoring program: TILE * head_dim descriptor elements each (an H100 sweep at head_dim 128,
+# 32K-256K: 128 blocks and 4 warps were fastest, results/2026-11-23_h100_resa_select_sweep.json).
+_DOT_ELEMENTS = 16384
+_SCORE_WARPS = 4
+_TOPK_WARPS = 0  # 0: by the block count
 _SELECT_TILE = 2048  # scores per pass step of the selection program (long contexts)
 # Up to this many blocks (512K tokens of 16) one program holds a head's scores in registers for the search.
 # 16,384 was too tight: a 256K-token document plus its answer room (16,389 blocks) fell to the multipass kernel.
@@ -31,11 +37,11 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _block_scores_kernel(
-    Q, Kmax, Kmin, Kmean, Length, Scores, Bounds, TileMax, TileSum, n_kv_heads, n_blocks_cap, n_tiles,
-    local_blocks, sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
-    SOFTMAX: tl.constexpr, CENTROID: tl.constexpr,
+    Q, Kmax, Kmin, Kmean, Length, Scores, n_kv_heads, n_blocks_cap, local_blocks, sink_blocks, stride_qb,
+    stride_qh, stride_db, stride_dh, stride_dn, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, CENTROID: tl.constexpr,
 ):
+    """Mean pooling (the paper's rule), one (batch, kv head, tile of blocks) per program."""
     pid_bh = tl.program_id(0)
     tile = tl.program_id(1)
     b = (pid_bh // n_kv_heads).to(tl.int64)
@@ -51,29 +57,70 @@ def _block_scores_kernel(
     if CENTROID:
         mean = tl.load(Kmean + base, mask=scored[:, None], other=0.0).to(tl.float32)
     q_row = Q + b * stride_qb + h * GROUP * stride_qh + offs_d
-    if SOFTMAX:
-        row = pid_bh.to(tl.int64) * GROUP
-        for g in tl.static_range(GROUP):
-            qg = tl.load(q_row + g * stride_qh).to(tl.float32)
-            s = tl.sum(tl.maximum(qg[None, :] * top, qg[None, :] * bottom), 1)
-            if CENTROID:
-                s = (s + tl.sum(qg[None, :] * mean, 1)) * 0.5
-            s = s * scale_log2
-            s = tl.where(scored, s, float("-inf"))
-            m = tl.max(s, 0)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            tl.store(Bounds + (row + g) * n_blocks_cap + offs, s, mask=offs < n_blocks_cap)
-            tl.store(TileMax + (row + g) * n_tiles + tile, m)
-            tl.store(TileSum + (row + g) * n_tiles + tile, tl.sum(tl.exp2(s - m_safe), 0))
+    offs_g = tl.arange(0, G_PAD)
+    q = tl.load(q_row[None, :] + offs_g[:, None] * stride_qh, mask=offs_g[:, None] < GROUP, other=0.0)
+    qbar = tl.sum(q.to(tl.float32), 0) / GROUP  # [HEAD_DIM]
+    s = tl.sum(tl.maximum(qbar[None, :] * top, qbar[None, :] * bottom), 1)
+    if CENTROID:
+        s = (s + tl.sum(qbar[None, :] * mean, 1)) * 0.5
+    s = tl.where(scored, s, tl.where(offs < n_blocks, float("inf"), float("-inf")))
+    tl.store(Scores + pid_bh.to(tl.int64) * n_blocks_cap + offs, s, mask=offs < n_blocks_cap)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a: [M, K], b: [N, K] -> a @ b.T [M, N] fp32."""
+    if IEEE:
+        out = tl.dot(a, tl.trans(b), input_precision="ieee")
     else:
-        offs_g = tl.arange(0, G_PAD)
-        q = tl.load(q_row[None, :] + offs_g[:, None] * stride_qh, mask=offs_g[:, None] < GROUP, other=0.0)
-        qbar = tl.sum(q.to(tl.float32), 0) / GROUP  # [HEAD_DIM]
-        s = tl.sum(tl.maximum(qbar[None, :] * top, qbar[None, :] * bottom), 1)
-        if CENTROID:
-            s = (s + tl.sum(qbar[None, :] * mean, 1)) * 0.5
-        s = tl.where(scored, s, tl.where(offs < n_blocks, float("inf"), float("-inf")))
-        tl.store(Scores + pid_bh.to(tl.int64) * n_blocks_cap + offs, s, mask=offs < n_blocks_cap)
+        out = tl.dot(a, tl.trans(b))
+    return out
+
+
+@triton.jit
+def _head_bounds_kernel(
+    Q, Kmax, Kmin, Kmean, Length, Bounds, TileMax, TileSum, n_kv_heads, n_blocks_cap, n_tiles, local_blocks,
+    sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn,
+    GROUP: tl.constexpr, G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+    CENTROID: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Softmax pooling's first half, one (batch, kv head, tile of blocks) per program: every head's scaled
+    bounds, and the tile's per-head max and sum of exp2. Quest's bound is two products on the tensor cores:
+    sum_d max(q_d * kmax_d, q_d * kmin_d) = max(q, 0) . kmax + min(q, 0) . kmin, as kmax >= kmin."""
+    pid_bh = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = (pid_bh // n_kv_heads).to(tl.int64)
+    h = (pid_bh % n_kv_heads).to(tl.int64)
+    n_blocks = tl.cdiv(tl.load(Length + b).to(tl.int64), BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
+    scored = (offs < n_blocks - local_blocks) & (offs >= sink_blocks)
+    base = b * stride_db + h * stride_dh + offs[:, None] * stride_dn + offs_d[None, :]
+    top = tl.load(Kmax + base, mask=scored[:, None], other=0.0)  # [TILE, HEAD_DIM]
+    bottom = tl.load(Kmin + base, mask=scored[:, None], other=0.0)
+    offs_g = tl.arange(0, G_DOT)  # the group's heads, padded to a tensor-core tile with zero rows
+    q = tl.load(Q + b * stride_qb + (h * GROUP + offs_g[:, None]) * stride_qh + offs_d[None, :],
+                mask=offs_g[:, None] < GROUP, other=0.0)
+    if IEEE:
+        q, top, bottom = q.to(tl.float32), top.to(tl.float32), bottom.to(tl.float32)
+    else:
+        q = q.to(top.dtype)
+    zero = tl.zeros_like(q)
+    q_pos = tl.maximum(q, zero).to(top.dtype)  # Triton computes half-precision max / min in fp32
+    q_neg = tl.minimum(q, zero).to(top.dtype)
+    s = _dot(q_pos, top, IEEE) + _dot(q_neg, bottom, IEEE)  # [G_DOT, TILE]
+    if CENTROID:
+        mean = tl.load(Kmean + base, mask=scored[:, None], other=0.0)
+        s = (s + _dot(q, mean.to(q.dtype), IEEE)) * 0.5
+    s = tl.where(scored[None, :], s * scale_log2, float("-inf"))
+    m = tl.max(s, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    rows = pid_bh.to(tl.int64) * GROUP + offs_g
+    heads = offs_g < GROUP
+    tl.store(Bounds + rows[:, None] * n_blocks_cap + offs[None, :], s,
+             mask=heads[:, None] & (offs[None, :] < n_blocks_cap))
+    tl.store(TileMax + rows * n_tiles + tile, m, mask=heads)
+    tl.store(TileSum + rows * n_tiles + tile, tl.sum(tl.exp2(s - m_safe[:, None]), 1), mask=heads)
 
 
 @triton.jit
@@ -230,7 +277,8 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
         check_device(name, t, q.device)
     group = Hq // Hkv
     softmax = rule.pooling == "softmax"
-    n_tiles = triton.cdiv(NB, _SCORE_TILE)
+    tile = min(128, _DOT_ELEMENTS // D) if softmax else _SCORE_TILE
+    n_tiles = triton.cdiv(NB, tile)
     scores = torch.empty(B, Hkv, NB, device=q.device, dtype=torch.float32)
     # Softmax pooling's scratch: each head's scaled bounds, and per tile each head's max and sum of exp2 (the
     # mean pooling never touches them: `scores` stands in).
@@ -242,16 +290,27 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     out = torch.empty(B, Hkv, width, device=q.device, dtype=torch.int32)
     num, den = rule.ratio
     with launch_context(q.device):
-        _block_scores_kernel[(B * Hkv, n_tiles)](
-            q, kmax, kmin, kmean if rule.centroid else kmax, length, scores, bounds, tile_max, tile_sum, Hkv, NB,
-            n_tiles, rule.local_blocks, rule.sink_blocks, scale * _LOG2E, q.stride(0), q.stride(1), kmax.stride(0),
-            kmax.stride(1), kmax.stride(2), GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
-            TILE=_SCORE_TILE, SOFTMAX=softmax, CENTROID=rule.centroid, num_warps=4,
-        )
+        if softmax:
+            # Tensor-core products in the descriptors' half precision when q shares it; fp32 otherwise.
+            ieee = kmax.dtype == torch.float32 or q.dtype != kmax.dtype
+            _head_bounds_kernel[(B * Hkv, n_tiles)](
+                q, kmax, kmin, kmean if rule.centroid else kmax, length, bounds, tile_max, tile_sum, Hkv, NB,
+                n_tiles, rule.local_blocks, rule.sink_blocks, scale * _LOG2E, q.stride(0), q.stride(1),
+                kmax.stride(0), kmax.stride(1), kmax.stride(2), GROUP=group,
+                G_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size, TILE=tile,
+                CENTROID=rule.centroid, IEEE=ieee, num_warps=_SCORE_WARPS,
+            )
+        else:
+            _block_scores_kernel[(B * Hkv, n_tiles)](
+                q, kmax, kmin, kmean if rule.centroid else kmax, length, scores, Hkv, NB, rule.local_blocks,
+                rule.sink_blocks, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2),
+                GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
+                TILE=_SCORE_TILE, CENTROID=rule.centroid, num_warps=4,
+            )
         if softmax:
             _softmax_pool_kernel[(B * Hkv, n_tiles)](
                 bounds, tile_max, tile_sum, length, scores, Hkv, NB, n_tiles, rule.local_blocks, rule.sink_blocks,
-                GROUP=group, BLOCK=block_size, TILE=_SCORE_TILE, NT_PAD=max(16, triton.next_power_of_2(n_tiles)),
+                GROUP=group, BLOCK=block_size, TILE=tile, NT_PAD=max(16, triton.next_power_of_2(n_tiles)),
                 num_warps=4,
             )
         if NB <= _RESIDENT_MAX:
@@ -261,7 +320,7 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                 scores, length, out, NB, width, num, den, rule.min_blocks, Hkv,
                 BLOCK=block_size, NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)),
                 # A power of two (Triton's rule): 4,096 + 1,024 blocks gave 5 warps and failed to compile.
-                num_warps=min(16, max(4, triton.next_power_of_2((main + rest) // 1024))),
+                num_warps=_TOPK_WARPS or min(16, max(4, triton.next_power_of_2((main + rest) // 1024))),
             )
         else:
             _block_topk_kernel[(B * Hkv,)](
