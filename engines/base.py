@@ -22,7 +22,7 @@ import torch
 from transformers.modeling_utils import AttentionInterface
 
 from engines.cache import StaticKVCache, layer_types
-from engines.decoding import DecodeStep, Sampler
+from engines.decoding import CompiledBlocks, DecodeStep, Sampler
 from kernels.chunk_attention import chunk_attention
 from kernels.decode_attention import decode_attention
 
@@ -82,6 +82,7 @@ class Engine(ABC):
             self.text_config.hidden_size // self.text_config.num_attention_heads)
         self.has_sliding_layers = "sliding_attention" in layer_types(self.model.config)
         self.single_device = len({p.device for p in self.model.parameters()}) == 1
+        self._compiled: CompiledBlocks | None = None
 
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
@@ -219,16 +220,23 @@ class Engine(ABC):
 
     def _decode_step(self, state: DocumentState, sampler: Sampler) -> DecodeStep:
         if state.decode is None or state.decode.sampler != sampler:
-            use_graph = self.run.decode_graph and self.single_device
+            use_graph = self.run.decode_graph and self.single_device and self.device.type == "cuda"
+            compiled = self._compiled_blocks() if use_graph and self.run.compile_decode else None
             cache = state.cache  # not `state`: a state -> step -> state cycle would keep GiBs alive until gc
             state.decode = DecodeStep(lambda ids, pos: self._forward(cache, ids, pos), cache, sampler,
-                                      self.device, use_graph)
+                                      self.device, use_graph, compiled)
         return state.decode
+
+    def _compiled_blocks(self) -> CompiledBlocks:
+        if self._compiled is None:
+            self._compiled = CompiledBlocks(self.model)
+        return self._compiled
 
     def counters(self, state: DocumentState) -> dict:
         graph = state.decode is not None and state.decode.graph is not None
+        compiled = graph and state.decode.compiled is not None
         return {"kv_cache_bytes": state.cache.nbytes(), "kv_capacity_tokens": state.cache.capacity,
-                "decode_cuda_graph": graph, **self.backends(), **state.counters}
+                "decode_cuda_graph": graph, "decode_compiled_blocks": compiled, **self.backends(), **state.counters}
 
 
 def _sync(device: torch.device) -> None:

@@ -37,6 +37,8 @@ class RunSettings:
     # A base model runs on past its answer into invented "Question:" lines; these end the answer.
     stop: list[str] = field(default_factory=lambda: ["\n\n", "\nQuestion:", "\nAnswer:"])
     decode_graph: bool = True  # capture the GPU decode step as a CUDA graph
+    # torch.compile the layers' MLPs and norms inside that graph: faster tokens, a one-off compilation first
+    compile_decode: bool = False
 
     def __post_init__(self):
         hints = typing.get_type_hints(RunSettings)
