@@ -5,12 +5,8 @@
    `_head_bounds_kernel` writes each head's scaled bounds (Quest's bound as two tensor-core products) and the
    tile's per-head max and sum of exponentials, and `_softmax_pool_kernel` (same grid) reduces those over
    the tiles and sums the heads' probabilities.
-2. `_block_topk_resident_kernel`, one program per (batch, kv head): finds the k-th largest score exactly over
-   the scores' order-preserving integer keys, held in registers as two power-of-two parts (k is computed on
-   the device from `length`) by a 32-step binary search, then writes the blocks scoring above it, plus as many
-   ties as needed (lowest index first), in ascending order, and pads with -1. (A radix select, four passes of
-   tl.histogram over 8-bit digits, measured 1.8x slower on an H100.) Past _RESIDENT_MAX blocks,
-   `_block_topk_kernel` does the same in passes over the scores (which stay in L2).
+2. The exact top-k, one program per (batch, kv head), in triton_topk.py: in registers up to _RESIDENT_MAX
+   blocks, in passes over L2 past it.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ import triton.language as tl
 
 from kernels._triton_common import check_device, launch_context
 from kernels.block_select.reference import KeepRule
+from kernels.block_select.triton_topk import _block_topk_kernel, _block_topk_resident_kernel
 
 _SCORE_TILE = 64  # blocks per scoring program (mean pooling)
 # Softmax pooling's scoring program: TILE * head_dim descriptor elements each (an H100 sweep at head_dim 128,
@@ -146,109 +143,6 @@ def _softmax_pool_kernel(
     scored = (offs < n_blocks - local_blocks) & (offs >= sink_blocks)
     acc = tl.where(scored, acc, tl.where(offs < n_blocks, float("inf"), float("-inf")))
     tl.store(Scores + pid_bh * n_blocks_cap + offs, acc, mask=offs < n_blocks_cap)
-
-
-@triton.jit
-def _order_key(s):
-    """fp32 -> int64 in [0, 2^32) with the same order (flip the magnitude bits of negatives)."""
-    u = s.to(tl.int32, bitcast=True)
-    return (u ^ ((u >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
-
-
-@triton.jit
-def _count_at_least(Row, n, thr, TILE: tl.constexpr):
-    count = tl.zeros([], dtype=tl.int64)
-    for t in range(0, n, TILE):
-        offs = t + tl.arange(0, TILE)
-        key = _order_key(tl.load(Row + offs, mask=offs < n, other=float("-inf")))
-        count += tl.sum(((key >= thr) & (offs < n)).to(tl.int64), 0)
-    return count
-
-
-@triton.jit
-def _block_topk_kernel(
-    Scores, Length, Out, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
-    BLOCK: tl.constexpr, TILE: tl.constexpr,
-):
-    pid_bh = tl.program_id(0).to(tl.int64)
-    b = pid_bh // n_kv_heads
-    length = tl.load(Length + b).to(tl.int64)
-    n_blocks = tl.cdiv(length, BLOCK)
-    k = tl.maximum(tl.cdiv(n_blocks * ratio_num, ratio_den), tl.minimum(n_blocks, min_blocks))
-    row = Scores + pid_bh * n_blocks_cap
-    # Invariant: count(key >= lo) >= k > count(key >= hi); after 32 halvings lo is the k-th largest key.
-    lo = tl.zeros([], dtype=tl.int64)
-    hi = lo + 4294967296
-    for _ in range(32):
-        mid = (lo + hi) // 2
-        enough = _count_at_least(row, n_blocks, mid, TILE) >= k
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid)
-    ties_wanted = k - _count_at_least(row, n_blocks, lo + 1, TILE)
-    out_row = Out + pid_bh * width
-    n_sel = tl.zeros([], dtype=tl.int64)
-    n_eq = tl.zeros([], dtype=tl.int64)
-    for t in range(0, n_blocks, TILE):
-        offs = t + tl.arange(0, TILE)
-        inside = offs < n_blocks
-        key = _order_key(tl.load(row + offs, mask=inside, other=float("-inf")))
-        eq = (key == lo) & inside
-        take = ((key > lo) & inside) | (eq & (n_eq + tl.cumsum(eq.to(tl.int64), 0) <= ties_wanted))
-        slot = n_sel + tl.cumsum(take.to(tl.int64), 0) - 1
-        tl.store(out_row + slot, offs.to(tl.int32), mask=take)
-        n_sel += tl.sum(take.to(tl.int64), 0)
-        n_eq += tl.sum(eq.to(tl.int64), 0)
-    for t in range(0, width, TILE):
-        offs = t + tl.arange(0, TILE)
-        tl.store(out_row + offs, tl.full([TILE], -1, tl.int32), mask=(offs >= k) & (offs < width))
-
-
-@triton.jit
-def _resident_keys(Row, offs, inside):
-    u = tl.load(Row + offs, mask=inside, other=float("-inf")).to(tl.int32, bitcast=True)
-    return u ^ ((u >> 31) & 0x7FFFFFFF)  # int32 with the order of the fp32 scores
-
-
-@triton.jit
-def _block_topk_resident_kernel(
-    Scores, Length, Out, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
-    BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr,
-):
-    """_block_topk_kernel for up to NB_MAIN + NB_REST blocks: the scores are loaded once and searched in
-    registers, as two power-of-two parts (16,389 blocks are 16,384 + 16 rather than 32,768)."""
-    pid_bh = tl.program_id(0).to(tl.int64)
-    b = pid_bh // n_kv_heads
-    length = tl.load(Length + b).to(tl.int64)
-    n_blocks = tl.cdiv(length, BLOCK)
-    k = tl.maximum(tl.cdiv(n_blocks * ratio_num, ratio_den), tl.minimum(n_blocks, min_blocks))
-    row = Scores + pid_bh * n_blocks_cap
-    offs_a = tl.arange(0, NB_MAIN)
-    offs_b = NB_MAIN + tl.arange(0, NB_REST)
-    in_a = offs_a < n_blocks
-    in_b = offs_b < n_blocks
-    key_a = _resident_keys(row, offs_a, in_a)
-    key_b = _resident_keys(row, offs_b, in_b)
-    lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483648, tl.int64)
-    for _ in range(32):
-        mid = (lo + hi) >> 1
-        m32 = mid.to(tl.int32)
-        count = tl.sum(((key_a >= m32) & in_a).to(tl.int32), 0) + tl.sum(((key_b >= m32) & in_b).to(tl.int32), 0)
-        enough = count >= k
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid)
-    thr = lo.to(tl.int32)
-    gt_a, eq_a = (key_a > thr) & in_a, (key_a == thr) & in_a
-    gt_b, eq_b = (key_b > thr) & in_b, (key_b == thr) & in_b
-    ties = k - tl.sum(gt_a.to(tl.int32), 0) - tl.sum(gt_b.to(tl.int32), 0)
-    take_a = gt_a | (eq_a & (tl.cumsum(eq_a.to(tl.int32), 0) <= ties))
-    take_b = gt_b | (eq_b & (tl.sum(eq_a.to(tl.int32), 0) + tl.cumsum(eq_b.to(tl.int32), 0) <= ties))
-    out_row = Out + pid_bh * width
-    tl.store(out_row + tl.cumsum(take_a.to(tl.int32), 0) - 1, offs_a.to(tl.int32), mask=take_a)
-    first_b = tl.sum(take_a.to(tl.int32), 0)
-    tl.store(out_row + first_b + tl.cumsum(take_b.to(tl.int32), 0) - 1, offs_b.to(tl.int32), mask=take_b)
-    offs_w = tl.arange(0, W_PAD)
-    tl.store(out_row + offs_w, tl.full([W_PAD], -1, tl.int32), mask=(offs_w >= k) & (offs_w < width))
 
 
 def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
