@@ -33,6 +33,7 @@ from longctx_cli.report import RANDOM_NOTE, memory_snapshot, reset_peaks, run_st
 
 err = Console(stderr=True)
 WARMUP_STEPS = 4
+RUN_KEYS_RECORDED = ("chunk_size", "dtype", "decode_graph", "compile_decode")  # next to each engine's keys
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30) -> float:
@@ -125,7 +126,9 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
     if baseline is not None and lead:
         engines.append((baseline, ENGINES[baseline.engine](lm, baseline.engine_config, baseline.run)))
     # The parameters in effect, not just profile names: a profile file may change after the run.
-    settings = {prof.name: {"engine": prof.engine, **dataclasses.asdict(prof.engine_config)} for prof, _ in engines}
+    # Engine keys, then the run keys that shape what is measured (decoding's graph and compilation, chunking).
+    settings = {prof.name: {"engine": prof.engine, **dataclasses.asdict(prof.engine_config),
+                            **{k: getattr(prof.run, k) for k in RUN_KEYS_RECORDED}} for prof, _ in engines}
     if tasks:
         from longctx_cli import accuracy
 
