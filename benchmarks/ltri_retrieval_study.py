@@ -47,10 +47,13 @@ def distractor_blocks(tokenizer, prefix_len: int, document: str, expected: list[
 
 
 @torch.inference_mode()
-def exact_kv(state, dense_cache, n_init: int, block: int, which: str = "all") -> None:
+def exact_kv(state, dense_cache, n_init: int, block: int, which: str = "all", layers: str = "all") -> None:
     """Replaces the ltri cache's K/V (device rows by their positions, CPU context memory by block) with dense's;
-    which: all, stored (init rows and context memory) or window (the window's rows)."""
+    which: all, stored (init rows and context memory) or window (the window's rows); layers: all, global (the
+    retrieving, full-attention layers) or sliding (the model's sliding-window layers)."""
     for layer, ref in zip(state.cache.layers, dense_cache.layers):
+        if layers != "all" and layer.retrieve != (layers == "global"):
+            continue
         held = layer.key_pos >= 0
         window = torch.zeros_like(held)
         window[layer.local0:] = True
@@ -129,6 +132,8 @@ def main() -> None:
                              "rows and CPU context memory: what is left is the thinned context at decode, without the "
                              "drift of K/V computed over a thinned context), stored (init tokens and context memory "
                              "only) or window (the local window only)")
+    parser.add_argument("--exact-layers", choices=("all", "global", "sliding"), default="all",
+                        help="with --exact-kv: only the full-attention (retrieving) layers, or only the sliding ones")
     parser.add_argument("--diagnose", action="store_true",
                         help="at the question chunk, rank the needle block under several block-scoring variants")
     parser.add_argument("--out", type=Path)
@@ -195,7 +200,7 @@ def main() -> None:
             ref = dense.prefill(doc, reserve=tail.numel() + budget)
         state = engine.prefill(doc, reserve=tail.numel() + budget)
         if dense is not None:
-            exact_kv(state, ref.cache, cfg.n_init, cfg.block_size, args.exact_kv)
+            exact_kv(state, ref.cache, cfg.n_init, cfg.block_size, args.exact_kv, args.exact_layers)
             del ref
             engine.activate()
         forced.extend(wanted)  # the question chunk only: decoding keeps its retrieval
