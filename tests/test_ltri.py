@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -428,3 +429,39 @@ def test_context_memory_larger_than_the_host_is_refused(context_memory, advice, 
     # 1M tokens of the 8B shape: 128 GiB in bf16, half that (plus scales) in fp8.
     got = ltri_engine.context_memory_bytes(config, cfg, 1 << 20, 2) / 2**30
     assert (got == pytest.approx(128.0, rel=1e-3)) if context_memory == "model" else (64.0 < got < 64.1)
+
+
+def test_compensated_softmax_equals_attention_over_rows_and_summary_keys():
+    """compensate: one softmax over the rows and over left-out blocks, each standing for block_size keys at
+    its mean key with its mean value: the same as attention over the rows plus block_size copies of each."""
+    from engines.ltri.engine import compensated
+
+    torch.manual_seed(42)
+    block, t, w, n, d = 4, 3, 5, 2, 8
+    q, k, v = torch.randn(t, d), torch.randn(w, d), torch.randn(w, d)
+    k_mean, v_mean = torch.randn(n, d), torch.randn(n, d)
+    s = q @ k.T
+    s[0, -1] = float("-inf")  # a masked row
+    got = compensated(s, v, q @ k_mean.T + math.log(block), v_mean)
+    keys = torch.cat([k, k_mean.repeat_interleave(block, 0)])
+    values = torch.cat([v, v_mean.repeat_interleave(block, 0)])
+    full = torch.cat([s, (q @ k_mean.T).repeat_interleave(block, 1)], dim=1)
+    torch.testing.assert_close(got, torch.softmax(full, dim=-1) @ values)
+    assert keys.shape[0] == full.shape[1]
+
+
+def test_compensation_leaves_out_the_blocks_the_rows_hold():
+    """The summaries that join the softmax are those of stored blocks not loaded into retrieval slots."""
+    from engines.ltri.cache import LtriLayer
+    from engines.ltri.engine import _left_out
+
+    layer = LtriLayer.__new__(LtriLayer)
+    layer.block, layer.slots = 4, [2, -1, 0]
+    keys = torch.arange(3 * 4, dtype=torch.float32).view(1, 12, 1).expand(2, 12, 1)  # Hkv 2, 3 blocks, D 1
+    layer.summary_k = layer.summary_v = layer._summaries = None
+    LtriLayer.add_summaries(layer, keys[:, :4], keys[:, :4])  # one block, then two more
+    LtriLayer.add_summaries(layer, keys[:, 4:], keys[:, 4:])
+    assert layer.summary_k.shape == (3, 2, 1) and layer.summary_k[:, 0, 0].tolist() == [1.5, 5.5, 9.5]
+    scores, values = _left_out(layer, torch.ones(1, 2, 1, 1, 1), 1.0)
+    assert values[0, 0, 0, :, 0].tolist() == [5.5]  # only block 1 is left out
+    assert scores[0, 0, 0, 0].tolist() == pytest.approx([5.5 + math.log(4)])

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import psutil
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -77,6 +79,10 @@ class LtriConfig:
     # CPU context memory format: "model" (the model's dtype) or "fp8" (e4m3 with a scale per block and KV head:
     # half the host memory, for documents whose K/V outgrow the host, e.g. 1M tokens of an 8B model).
     context_memory: str = "model"
+    # Ours, off by default (an experiment): the prefill attention of retrieving layers also counts every stored
+    # block it does not hold, as block_size keys at the block's mean key carrying its mean value, instead of
+    # renormalising over the rows it holds (the K/V drift that costs multi-key needles at 16K, see NOTES).
+    compensate: bool = False
 
     def __post_init__(self):
         for name in ("n_init", "n_local", "block_size", "top_k", "repr_topk", "min_vectors", "max_vectors"):
@@ -104,9 +110,34 @@ class LtriConfig:
                 raise ValueError(f"bad value for {name}: {getattr(self, name)!r}; expected {expected}")
 
 
-def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_own: int):
+def compensated(s, v, s_out, v_out):
+    """Attention over rows (scores s [..., t, W], values v [..., W, D]) plus keys left out, each summarised by
+    a log-weighted score s_out [..., t, N] and a value v_out [..., N, D]: one softmax over both -> [..., t, D]."""
+    top = torch.maximum(s.amax(-1, keepdim=True), s_out.amax(-1, keepdim=True))
+    e, e_out = torch.exp(s - top), torch.exp(s_out - top)
+    return (torch.matmul(e, v) + torch.matmul(e_out, v_out)) / (e.sum(-1, keepdim=True) + e_out.sum(-1, keepdim=True))
+
+
+def _left_out(layer: LtriLayer, q, scaling):
+    """Scores [B, Hkv, G, t, N] and values [1, Hkv, 1, N, D] of the stored blocks the rows do not hold (their
+    mean keys, weighted by the block size), or None."""
+    if layer.summary_k is None or not layer.summary_k.shape[0]:
+        return None
+    held = torch.tensor([b for b in layer.slots if b >= 0], dtype=torch.long, device=q.device)
+    keep = torch.ones(layer.summary_k.shape[0], dtype=torch.bool, device=q.device)
+    keep[held] = False
+    if not keep.any():
+        return None
+    k_mean = layer.summary_k[keep].transpose(0, 1)[None, :, None]  # [1, Hkv, 1, N, D]
+    v_mean = layer.summary_v[keep].transpose(0, 1)[None, :, None]
+    return torch.matmul(q, k_mean.transpose(-1, -2)) * scaling + math.log(layer.block), v_mean
+
+
+def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_own: int, compensate: bool = False):
     """Explicit softmax over the layer's rows; adds each row's votes; returns out [B, Hq, T, D] and the
-    chunk's own map [n_own, n_own] (its last n_own queries on its own window rows, summed over heads)."""
+    chunk's own map [n_own, n_own] (its last n_own queries on its own window rows, summed over heads).
+    compensate: the output also counts the stored blocks the rows leave out (LtriConfig.compensate); the votes
+    and maps stay those of the rows."""
     B, Hq, T, D = query.shape
     hkv = key.shape[1]
     width = layer.width
@@ -122,7 +153,9 @@ def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_o
         q_pos = torch.arange(offset + lo, offset + lo + t, device=query.device)[:, None]
         s = s.masked_fill(~((kp >= 0) & (kp <= q_pos)), float("-inf"))
         p = torch.softmax(s, dim=-1)
-        out[:, :, lo:lo + t] = torch.matmul(p, v[:, :, None]).view(B, Hq, t, D).to(query.dtype)
+        left_out = _left_out(layer, q, scaling) if compensate else None
+        o = torch.matmul(p, v[:, :, None]) if left_out is None else compensated(s, v[:, :, None], *left_out)
+        out[:, :, lo:lo + t] = o.view(B, Hq, t, D).to(query.dtype)
         heads = p.sum(dim=(0, 1, 2))  # [t, width]
         layer.votes[:width] += heads.sum(dim=0)
         first = max(lo, T - n_own)
@@ -194,7 +227,7 @@ class LtriEngine(Engine):
         indexer = longctx.indexer
         indexer.retrieve(layer, module.layer_idx, query, key, scaling, longctx)
         n_own = min(t, layer.local_len)
-        out, own = _softmax_attention(layer, query, key, value, scaling, offset, n_own)
+        out, own = _softmax_attention(layer, query, key, value, scaling, offset, n_own, indexer.cfg.compensate)
         indexer.note_spans(layer, module.layer_idx, own, offset + t - n_own, longctx)
         indexer.evict(layer, module.layer_idx, longctx)
         return out.transpose(1, 2), None
@@ -239,13 +272,17 @@ class LtriEngine(Engine):
     @classmethod
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
         """Device bytes: every layer's bounded rows (K and V; room for a 2048-token chunk and 2048 question and
-        answer tokens), independent of the document's length, plus index vectors at max_vectors per block."""
+        answer tokens), independent of the document's length, plus index vectors at max_vectors per block (and
+        the block summaries of `compensate`)."""
         cfg = engine_config or LtriConfig()
         per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
         rows = sum(LtriLayer.rows_for(**spec) for spec in layer_specs(model_config, cfg, 4096))
         full = sum(t != "sliding_attention" for t in layer_types(model_config))
         index = full * (n_tokens // cfg.block_size * cfg.max_vectors) * (per_token_layer // 2 + 8)
-        return rows * per_token_layer + index
+        # compensate: a mean key and value per block and KV head in fp32, twice over (the buffer doubles)
+        per_block = 2 * per_token_layer * 4 // dtype_bytes
+        summaries = full * (n_tokens // cfg.block_size) * per_block if cfg.compensate else 0
+        return rows * per_token_layer + index + summaries
 
     @classmethod
     def plan_notes(cls, model_config, n_tokens: int, engine_config=None) -> list[str]:
