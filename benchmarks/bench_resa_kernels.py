@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import platform
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import transformers
 import triton
 from triton.testing import do_bench_cudagraph
 
@@ -171,7 +173,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/bench_resa_kernels.py needs a CUDA device")
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    meta = {"device": torch.cuda.get_device_name(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "triton": triton.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python3", *sys.argv])}
     if args.sweep_sparse:

@@ -57,9 +57,9 @@ class CompiledBlocks:
 
     A graph-captured step of an 8B model runs ~1,500 kernels, most of them small element-wise ones around
     the GEMMs; Inductor fuses each RMSNorm (6 kernels) and the MLP's SiLU * up into one (H100, random 8B at
-    4K: 8.60 -> 7.73 ms/token, 1,497 -> 1,017 kernels; benchmarks/profile_decode.py). Only these children are compiled: their shapes never change with the
-    document, so one compilation serves every layer and every document, while the attention (Triton
-    launchers, the engine's cache state) stays eager. `swapped()` puts them in place while the decode step is
+    4K: 8.60 -> 7.73 ms/token, 1,497 -> 1,017 kernels; benchmarks/profile_decode.py). Only these children
+    are compiled: their shapes never change with the document, so one compilation serves every layer and
+    every document, while the attention (Triton launchers, the engine's cache state) stays eager. `swapped()` puts them in place while the decode step is
     captured; prefill keeps the eager modules (its chunk shapes would each need a compilation).
     """
 

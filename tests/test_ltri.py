@@ -462,6 +462,7 @@ def test_compensation_leaves_out_the_blocks_the_rows_hold():
     LtriLayer.add_summaries(layer, keys[:, :4], keys[:, :4])  # one block, then two more
     LtriLayer.add_summaries(layer, keys[:, 4:], keys[:, 4:])
     assert layer.summary_k.shape == (3, 2, 1) and layer.summary_k[:, 0, 0].tolist() == [1.5, 5.5, 9.5]
-    scores, values = _left_out(layer, torch.ones(1, 2, 1, 1, 1), 1.0)
-    assert values[0, 0, 0, :, 0].tolist() == [5.5]  # only block 1 is left out
-    assert scores[0, 0, 0, 0].tolist() == pytest.approx([5.5 + math.log(4)])
+    k_mean, v_mean = _left_out(layer)
+    assert k_mean.shape == (1, 2, 1, 1, 1) and v_mean[0, 0, 0, :, 0].tolist() == [5.5]  # only block 1 left out
+    layer.slots = [2, 1, 0]
+    assert _left_out(layer) is None

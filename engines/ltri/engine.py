@@ -24,11 +24,10 @@ exact, holding only their window.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import psutil
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -118,19 +117,15 @@ def compensated(s, v, s_out, v_out):
     return (torch.matmul(e, v) + torch.matmul(e_out, v_out)) / (e.sum(-1, keepdim=True) + e_out.sum(-1, keepdim=True))
 
 
-def _left_out(layer: LtriLayer, q, scaling):
-    """Scores [B, Hkv, G, t, N] and values [1, Hkv, 1, N, D] of the stored blocks the rows do not hold (their
-    mean keys, weighted by the block size), or None."""
-    if layer.summary_k is None or not layer.summary_k.shape[0]:
+def _left_out(layer: LtriLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Mean keys and values [1, Hkv, 1, N, D] of the stored blocks the rows do not hold, or None."""
+    if layer.summary_k is None:
         return None
-    held = torch.tensor([b for b in layer.slots if b >= 0], dtype=torch.long, device=q.device)
-    keep = torch.ones(layer.summary_k.shape[0], dtype=torch.bool, device=q.device)
-    keep[held] = False
+    keep = torch.ones(layer.summary_k.shape[0], dtype=torch.bool, device=layer.summary_k.device)
+    keep[[b for b in layer.slots if b >= 0]] = False
     if not keep.any():
         return None
-    k_mean = layer.summary_k[keep].transpose(0, 1)[None, :, None]  # [1, Hkv, 1, N, D]
-    v_mean = layer.summary_v[keep].transpose(0, 1)[None, :, None]
-    return torch.matmul(q, k_mean.transpose(-1, -2)) * scaling + math.log(layer.block), v_mean
+    return tuple(x[keep].transpose(0, 1)[None, :, None] for x in (layer.summary_k, layer.summary_v))
 
 
 def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_own: int, compensate: bool = False):
@@ -146,6 +141,7 @@ def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_o
     own0 = width - n_own
     out = torch.empty_like(query)
     own = torch.zeros(n_own, n_own, dtype=torch.float32, device=query.device)
+    left_out = _left_out(layer) if compensate else None
     for lo in range(0, T, _QUERY_SLICE):
         t = min(_QUERY_SLICE, T - lo)
         q = query[:, :, lo:lo + t].float().view(B, hkv, Hq // hkv, t, D)
@@ -153,8 +149,12 @@ def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_o
         q_pos = torch.arange(offset + lo, offset + lo + t, device=query.device)[:, None]
         s = s.masked_fill(~((kp >= 0) & (kp <= q_pos)), float("-inf"))
         p = torch.softmax(s, dim=-1)
-        left_out = _left_out(layer, q, scaling) if compensate else None
-        o = torch.matmul(p, v[:, :, None]) if left_out is None else compensated(s, v[:, :, None], *left_out)
+        if left_out is None:
+            o = torch.matmul(p, v[:, :, None])
+        else:  # each left-out block stands for block_size keys at its mean key
+            k_mean, v_mean = left_out
+            s_out = torch.matmul(q, k_mean.transpose(-1, -2)) * scaling + math.log(layer.block)
+            o = compensated(s, v[:, :, None], s_out, v_mean)
         out[:, :, lo:lo + t] = o.view(B, Hq, t, D).to(query.dtype)
         heads = p.sum(dim=(0, 1, 2))  # [t, width]
         layer.votes[:width] += heads.sum(dim=0)

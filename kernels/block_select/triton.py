@@ -174,17 +174,14 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     tile = min(128, _DOT_ELEMENTS // D) if softmax else _SCORE_TILE
     n_tiles = triton.cdiv(NB, tile)
     scores = torch.empty(B, Hkv, NB, device=q.device, dtype=torch.float32)
-    # Softmax pooling's scratch: each head's scaled bounds, and per tile each head's max and sum of exp2 (the
-    # mean pooling never touches them: `scores` stands in).
-    bounds = tile_max = tile_sum = scores
-    if softmax:
-        bounds = torch.empty(B, Hkv, group, NB, device=q.device, dtype=torch.float32)
-        tile_max = torch.empty(B, Hkv, group, n_tiles, device=q.device, dtype=torch.float32)
-        tile_sum = torch.empty_like(tile_max)
     out = torch.empty(B, Hkv, width, device=q.device, dtype=torch.int32)
     num, den = rule.ratio
     with launch_context(q.device):
         if softmax:
+            # Scratch: each head's scaled bounds, and per tile each head's max and sum of exp2.
+            bounds = torch.empty(B, Hkv, group, NB, device=q.device, dtype=torch.float32)
+            tile_max = torch.empty(B, Hkv, group, n_tiles, device=q.device, dtype=torch.float32)
+            tile_sum = torch.empty_like(tile_max)
             # Tensor-core products in the descriptors' half precision when q shares it; fp32 otherwise.
             ieee = kmax.dtype == torch.float32 or q.dtype != kmax.dtype
             _head_bounds_kernel[(B * Hkv, n_tiles)](
@@ -194,18 +191,17 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                 G_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size, TILE=tile,
                 CENTROID=rule.centroid, IEEE=ieee, num_warps=_SCORE_WARPS,
             )
+            _softmax_pool_kernel[(B * Hkv, n_tiles)](
+                bounds, tile_max, tile_sum, length, scores, Hkv, NB, n_tiles, rule.local_blocks, rule.sink_blocks,
+                GROUP=group, BLOCK=block_size, TILE=tile, NT_PAD=max(16, triton.next_power_of_2(n_tiles)),
+                num_warps=4,
+            )
         else:
             _block_scores_kernel[(B * Hkv, n_tiles)](
                 q, kmax, kmin, kmean if rule.centroid else kmax, length, scores, Hkv, NB, rule.local_blocks,
                 rule.sink_blocks, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2),
                 GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
                 TILE=_SCORE_TILE, CENTROID=rule.centroid, num_warps=4,
-            )
-        if softmax:
-            _softmax_pool_kernel[(B * Hkv, n_tiles)](
-                bounds, tile_max, tile_sum, length, scores, Hkv, NB, n_tiles, rule.local_blocks, rule.sink_blocks,
-                GROUP=group, BLOCK=block_size, TILE=tile, NT_PAD=max(16, triton.next_power_of_2(n_tiles)),
-                num_warps=4,
             )
         if NB <= _RESIDENT_MAX:
             main = max(16, 1 << (NB.bit_length() - 1))
