@@ -161,6 +161,45 @@ def sweep_select(lengths: list[int], rule: KeepRule, shape: str = "llama-3.1-8b"
     return rows
 
 
+def sweep_rectify(lengths: list[int]) -> list[dict]:
+    """Rows per program, warps and stages of the few-query kernel for rectification's G x 32 rows (median ms of
+    one layer; rows 64 at 4 warps was the configuration before MANY_ROWS). Gemma 3's shape (4 heads on 1 KV
+    head, head_dim 256) too."""
+    import kernels.decode_attention.triton as dec
+
+    saved = dict(dec.MANY_ROWS)
+    rows = []
+    for shape, (Hq, Hkv, D) in {**SHAPES, "gemma3-270m": (4, 1, 256)}.items():
+        for length in lengths:
+            opts = dict(device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(1, Hq, RECTIFY, D, **opts)
+            k = torch.randn(1, Hkv, length, D, **opts)
+            v = torch.randn(1, Hkv, length, D, **opts)
+            n = torch.tensor([length], device="cuda")
+            expected = None
+            for per_program, warps, stages in ((64, 4, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (64, 8, 2)):
+                dec.MANY_ROWS.update(rows=per_program, warps=warps, stages=stages)
+                fn = lambda: decode_attention(q, k, v, n, scale=D**-0.5)  # noqa: E731
+                try:
+                    out = fn()
+                    expected = out if expected is None else expected
+                    err = (out.float() - expected.float()).abs().max().item()
+                    with torch.cuda.stream(torch.cuda.Stream()):
+                        ms = do_bench_cudagraph(fn, rep=50, return_mode="median")
+                except Exception as e:  # a config that does not fit (registers, shared memory) is skipped
+                    print(f"rectify {shape} {length} rows {per_program} warps {warps} stages {stages}: "
+                          f"{type(e).__name__}: {e}"[:300])
+                    continue
+                rows.append({"shape": shape, "length": length, "rows_per_program": per_program, "warps": warps,
+                             "stages": stages, "ms": ms, "max_diff_vs_first": err})
+                print(f"rectify {shape} {length} rows {per_program} warps {warps} stages {stages}: {ms:.4f} ms "
+                      f"diff {err:.1e}", flush=True)
+            del q, k, v
+            torch.cuda.empty_cache()
+    dec.MANY_ROWS.update(saved)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -170,6 +209,7 @@ def main() -> None:
     parser.add_argument("--centroid", action="store_true", help="block mean keys as a third descriptor (resa.yaml)")
     parser.add_argument("--sweep-sparse", action="store_true", help="only sweep the sparse kernel's tiling")
     parser.add_argument("--sweep-select", action="store_true", help="only sweep the selection's tiling and search")
+    parser.add_argument("--sweep-rectify", action="store_true", help="only sweep the rectification kernel's rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/bench_resa_kernels.py needs a CUDA device")
@@ -181,6 +221,11 @@ def main() -> None:
         rows = sweep_sparse()
         if args.out:
             args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+        return
+    if args.sweep_rectify:
+        rows = sweep_rectify(list(map(int, args.lengths.split(","))))
+        if args.out:
+            args.out.write_text(json.dumps({**meta, "rectify_tokens": RECTIFY, "rows": rows}, indent=2) + "\n")
         return
     rule = KeepRule(args.keep_ratio, 16, 1, 1, args.pooling, centroid=args.centroid)
     if args.sweep_select:

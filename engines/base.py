@@ -22,7 +22,8 @@ import torch
 from transformers.modeling_utils import AttentionInterface
 
 from engines.cache import StaticKVCache, layer_types
-from engines.decoding import CompiledBlocks, DecodeStep, Sampler
+from engines.decode_blocks import DecodeBlocks
+from engines.decoding import DecodeStep, Sampler
 from kernels.chunk_attention import chunk_attention
 from kernels.decode_attention import decode_attention
 
@@ -82,7 +83,7 @@ class Engine(ABC):
             self.text_config.hidden_size // self.text_config.num_attention_heads)
         self.has_sliding_layers = "sliding_attention" in layer_types(self.model.config)
         self.single_device = len({p.device for p in self.model.parameters()}) == 1
-        self._compiled: CompiledBlocks | None = None
+        self._blocks: dict[bool, DecodeBlocks] = {}
 
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
@@ -221,22 +222,27 @@ class Engine(ABC):
     def _decode_step(self, state: DocumentState, sampler: Sampler) -> DecodeStep:
         if state.decode is None or state.decode.sampler != sampler:
             use_graph = self.run.decode_graph and self.single_device and self.device.type == "cuda"
-            compiled = self._compiled_blocks() if use_graph and self.run.compile_decode else None
             cache = state.cache  # not `state`: a state -> step -> state cycle would keep GiBs alive until gc
             state.decode = DecodeStep(lambda ids, pos: self._forward(cache, ids, pos), cache, sampler,
-                                      self.device, use_graph, compiled)
+                                      self.device, use_graph, self._decode_blocks(use_graph, self.run.compile_decode))
         return state.decode
 
-    def _compiled_blocks(self) -> CompiledBlocks:
-        if self._compiled is None:
-            self._compiled = CompiledBlocks(self.model)
-        return self._compiled
+    def _decode_blocks(self, use_graph: bool, compile: bool) -> DecodeBlocks | None:
+        """The modules a captured step swaps in (one set per `compile`, shared by the engine's documents);
+        None where nothing is captured or nothing is asked for."""
+        if not use_graph or not (compile or self.run.fuse_projections):
+            return None
+        if compile not in self._blocks:
+            self._blocks[compile] = DecodeBlocks(self.model, fuse=self.run.fuse_projections, compile=compile)
+        return self._blocks[compile]
 
     def counters(self, state: DocumentState) -> dict:
         graph = state.decode is not None and state.decode.graph is not None
-        compiled = graph and state.decode.compiled is not None
+        blocks = state.decode.blocks if graph else None
         return {"kv_cache_bytes": state.cache.nbytes(), "kv_capacity_tokens": state.cache.capacity,
-                "decode_cuda_graph": graph, "decode_compiled_blocks": compiled, **self.backends(), **state.counters}
+                "decode_cuda_graph": graph, "decode_compiled_blocks": blocks is not None and blocks.compiled,
+                "decode_fused_projections": "+".join(sorted(blocks.fused)) if blocks and blocks.fused else "none",
+                **self.backends(), **state.counters}
 
 
 def _sync(device: torch.device) -> None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.decode_blocks import DecodeBlocks
+
 
 @dataclass
 class Sampler:
@@ -36,6 +38,11 @@ class Sampler:
         return (logits + noise).argmax(dim=-1)
 
 
+def swapped(blocks: DecodeBlocks | None):
+    """`blocks` in place (fused projections, compiled blocks), or nothing to swap."""
+    return blocks.swapped() if blocks is not None else contextlib.nullcontext()
+
+
 def capture_graph(run, device: torch.device) -> torch.cuda.CUDAGraph:
     """Run `run` once on a side stream (compilation, allocations), then capture it as a CUDA graph.
 
@@ -52,36 +59,6 @@ def capture_graph(run, device: torch.device) -> torch.cuda.CUDAGraph:
     return graph
 
 
-class CompiledBlocks:
-    """The decoder layers' MLPs and norms under torch.compile (static shapes), for the one-token decode step.
-
-    A graph-captured step of an 8B model runs ~1,500 kernels, most of them small element-wise ones around
-    the GEMMs; Inductor fuses each RMSNorm (6 kernels) and the MLP's SiLU * up into one (H100, random 8B at
-    4K: 8.60 -> 7.73 ms/token, 1,497 -> 1,017 kernels; benchmarks/profile_decode.py). Only these children
-    are compiled: their shapes never change with the document, so one compilation serves every layer and
-    every document, while the attention (Triton launchers, the engine's cache state) stays eager. `swapped()` puts them in place while the decode step is
-    captured; prefill keeps the eager modules (its chunk shapes would each need a compilation).
-    """
-
-    SUFFIXES = ("MLP", "RMSNorm")
-
-    def __init__(self, model: torch.nn.Module):
-        layers = getattr(model.get_decoder(), "layers", None) or []
-        self.slots = [(layer, name, child) for layer in layers for name, child in layer.named_children()
-                      if type(child).__name__.endswith(self.SUFFIXES)]
-        self.compiled = [torch.compile(child, dynamic=False) for _, _, child in self.slots]
-
-    @contextlib.contextmanager
-    def swapped(self):
-        for (layer, name, _), compiled in zip(self.slots, self.compiled):
-            setattr(layer, name, compiled)
-        try:
-            yield
-        finally:
-            for layer, name, child in self.slots:
-                setattr(layer, name, child)
-
-
 class DecodeStep:
     """One token through the model with static shapes: `token` in, next token left in `token`.
 
@@ -91,8 +68,8 @@ class DecodeStep:
     """
 
     def __init__(self, forward, cache, sampler: Sampler, device: torch.device, use_graph: bool,
-                 compiled: CompiledBlocks | None = None):
-        self.forward, self.cache, self.sampler, self.compiled = forward, cache, sampler, compiled
+                 blocks: DecodeBlocks | None = None):
+        self.forward, self.cache, self.sampler, self.blocks = forward, cache, sampler, blocks
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.length = torch.ones(1, dtype=torch.long, device=device)
@@ -124,7 +101,7 @@ class DecodeStep:
         saved = [t.clone() for t in (self.token, self.position, self.length)]
         # The warm-up writes this step's K/V once and advances the inputs; the first replay writes the same
         # slot again from the restored inputs.
-        with self.compiled.swapped() if self.compiled is not None else contextlib.nullcontext():
+        with swapped(self.blocks):
             self.graph = capture_graph(self._step, self.token.device)
         for dst, src in zip((self.token, self.position, self.length), saved):
             dst.copy_(src)
@@ -142,11 +119,12 @@ class StaticForward:
     For engines that re-encode their newest tokens (resa's rectification). Static device tensors: ids [1, n],
     position [n], length [1] = start + n. `forward(ids, position_ids)` must write K/V through the cache; its
     logits are discarded. On GPU the step is captured once as a CUDA graph (`capture(start)` writes scratch K/V
-    at [start, start + n): call it where those slots are not yet valid) and replayed.
+    at [start, start + n): call it where those slots are not yet valid) and replayed, with `blocks` in place.
     """
 
-    def __init__(self, forward, cache, n: int, device: torch.device, use_graph: bool):
-        self.forward, self.cache, self.n = forward, cache, n
+    def __init__(self, forward, cache, n: int, device: torch.device, use_graph: bool,
+                 blocks: DecodeBlocks | None = None):
+        self.forward, self.cache, self.n, self.blocks = forward, cache, n, blocks
         self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
         self.position = torch.arange(n, device=device)
         self.length = torch.full((1,), n, dtype=torch.long, device=device)
@@ -168,7 +146,8 @@ class StaticForward:
         if not self.use_graph or self.graph is not None:
             return
         self._load([0] * self.n, start)
-        self.graph = capture_graph(self._run, self.ids.device)
+        with swapped(self.blocks):
+            self.graph = capture_graph(self._run, self.ids.device)
 
     def __call__(self, ids: list[int], start: int) -> None:
         self._load(ids, start)

@@ -210,9 +210,10 @@ class ResaEngine(Engine):
                     rectify_events=[])
         if f and state.position + f <= state.cache.capacity:
             cache = state.cache
-            use_graph = self.run.decode_graph and self.single_device
+            use_graph = self.run.decode_graph and self.single_device and self.device.type == "cuda"
+            # The decode step's modules (compiled ones compile once more, for f tokens).
             data["rectify"] = StaticForward(lambda ids, pos: self._forward(cache, ids, pos), cache, f, self.device,
-                                            use_graph)
+                                            use_graph, self._decode_blocks(use_graph, self.run.compile_decode))
             # Captured now, not at the first rectification, so that it never lands inside timed decoding;
             # its scratch writes go to slots the decode steps overwrite before reading them.
             data["rectify"].capture(state.position)

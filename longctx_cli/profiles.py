@@ -39,6 +39,8 @@ class RunSettings:
     decode_graph: bool = True  # capture the GPU decode step as a CUDA graph
     # torch.compile the layers' MLPs and norms inside that graph: faster tokens, a one-off compilation first
     compile_decode: bool = False
+    # one GEMV for q, k and v, and one for gate and up, inside that graph (weights regrouped in place, no copy)
+    fuse_projections: bool = True
 
     def __post_init__(self):
         hints = typing.get_type_hints(RunSettings)

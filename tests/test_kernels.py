@@ -399,6 +399,27 @@ def test_decode_triton_q_first_matches_reference(T, first, window):
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("T", [17, 32, 33], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("shape", [(32, 8, 128), (4, 1, 256), (8, 8, 64)], ids=lambda s: "Hq{}-Hkv{}-D{}".format(*s))
+@pytest.mark.gpu
+@requires_cuda
+def test_decode_triton_many_rows_matches_reference(shape, T):
+    """Rectification's shape: G x T query rows per KV head over the many-rows launch config (128 rows a program
+    at head_dim <= 128, 64 at 256; a partial last program at T 33), causal among the new tokens."""
+    from kernels.decode_attention.triton import decode_attention_triton
+
+    Hq, Hkv, D = shape
+    n = 3001
+    q = torch.randn(1, Hq, T, D, device="cuda", dtype=torch.bfloat16)
+    k, v = make_cache(1, Hkv, n + 50, D, [n], dtype=torch.bfloat16, device="cuda")
+    length = torch.tensor([n], device="cuda")
+    out, lse = decode_attention_triton(q, k, v, length, scale=D**-0.5, return_lse=True)
+    ref, ref_lse = decode_reference(q.float(), k.float(), v.float(), length, scale=D**-0.5, return_lse=True)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
 def test_key_mask_equals_attention_over_the_kept_keys():
     """sas-pattern's compacted cache: a per-head key mask equals attention over only the kept keys."""
     B, Hq, Hkv, D, S = 1, 8, 2, 64, 300

@@ -23,6 +23,15 @@ def _order_key(s):
 
 
 @triton.jit
+def _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK: tl.constexpr):
+    """This program's (batch, kv head) row, its sequence's block count and k = max(ceil(n * ratio), min(n, min))."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    length = tl.load(Length + pid_bh // n_kv_heads).to(tl.int64)
+    n_blocks = tl.cdiv(length, BLOCK)
+    return pid_bh, n_blocks, tl.maximum(tl.cdiv(n_blocks * ratio_num, ratio_den), tl.minimum(n_blocks, min_blocks))
+
+
+@triton.jit
 def _count_at_least(Row, n, thr, TILE: tl.constexpr):
     count = tl.zeros([], dtype=tl.int64)
     for t in range(0, n, TILE):
@@ -37,11 +46,7 @@ def _block_topk_kernel(
     Scores, Length, Out, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
     BLOCK: tl.constexpr, TILE: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0).to(tl.int64)
-    b = pid_bh // n_kv_heads
-    length = tl.load(Length + b).to(tl.int64)
-    n_blocks = tl.cdiv(length, BLOCK)
-    k = tl.maximum(tl.cdiv(n_blocks * ratio_num, ratio_den), tl.minimum(n_blocks, min_blocks))
+    pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
     row = Scores + pid_bh * n_blocks_cap
     # Invariant: count(key >= lo) >= k > count(key >= hi); after 32 halvings lo is the k-th largest key.
     lo = tl.zeros([], dtype=tl.int64)
@@ -83,11 +88,7 @@ def _block_topk_resident_kernel(
 ):
     """_block_topk_kernel for up to NB_MAIN + NB_REST blocks: the scores are loaded once and searched in
     registers, as two power-of-two parts (16,389 blocks are 16,384 + 16 rather than 32,768)."""
-    pid_bh = tl.program_id(0).to(tl.int64)
-    b = pid_bh // n_kv_heads
-    length = tl.load(Length + b).to(tl.int64)
-    n_blocks = tl.cdiv(length, BLOCK)
-    k = tl.maximum(tl.cdiv(n_blocks * ratio_num, ratio_den), tl.minimum(n_blocks, min_blocks))
+    pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
     row = Scores + pid_bh * n_blocks_cap
     offs_a = tl.arange(0, NB_MAIN)
     offs_b = NB_MAIN + tl.arange(0, NB_REST)

@@ -25,6 +25,17 @@ _MAX_SPLITS = 256
 _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 2
 # Query rows (GQA group x tokens) per program: more are split over programs, each re-reading the keys.
 _MAX_ROWS = 64
+# Many rows (rectification: G x 32 tokens) per program, at head_dim <= 128 (half at 256), warps, stages.
+MANY_ROWS = {"rows": 128, "warps": 8, "stages": 2}
+
+
+def launch_config(rows: int, head_dim: int) -> tuple[int, int, int]:
+    """(rows per program, warps, stages) for `rows` query rows of one KV head."""
+    wide = head_dim > 128
+    if rows <= (_MAX_ROWS // 2 if wide else _MAX_ROWS):
+        return max(16, triton.next_power_of_2(rows)), _NUM_WARPS, _NUM_STAGES
+    per_program = MANY_ROWS["rows"] // 2 if wide else MANY_ROWS["rows"]
+    return min(per_program, triton.next_power_of_2(rows)), MANY_ROWS["warps"], MANY_ROWS["stages"]
 
 
 @triton.jit
@@ -202,7 +213,7 @@ def decode_attention_triton(
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
     num_splits = num_splits_for(B, Hkv, S, q.device)
-    rows_pad = min(max(16, triton.next_power_of_2(group * T)), _MAX_ROWS if D <= 128 else _MAX_ROWS // 2)
+    rows_pad, num_warps, num_stages = launch_config(group * T, D)
     # Scratch from the caching allocator: inside a graph capture it comes from the graph's private pool.
     out_part = torch.empty(B * Hq * T, num_splits, D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B * Hq * T, num_splits, device=q.device, dtype=torch.float32)
@@ -221,7 +232,7 @@ def decode_attention_triton(
             HAS_KEYMASK=key_mask is not None, HAS_POSITION_MASK=position_mask is not None,
             POSITION_MASK=None if position_mask is None else position_mask.triton,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+            num_warps=num_warps, num_stages=num_stages,
         )
     out, lse = combine_splits_triton(out_part, lse_part, q.dtype)
     shape = (B, Hq) if single else (B, Hq, T)

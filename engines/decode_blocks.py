@@ -1,0 +1,161 @@
+"""The decoder layers' modules as a captured decode step runs them: fused projections, compiled blocks.
+
+A captured decode step of an 8B model is ~1,500 kernels: GEMVs that stream the weights, and small element-wise
+kernels around them. Two rewrites make it cheaper, both swapped in only while a step is captured (prefill keeps
+the model's own modules and its chunk shapes):
+
+- Fused projections (run key `fuse_projections`, on): q, k and v read the same hidden state, as do an MLP's
+  gate and up projections. At one token each is a GEMV, and the small ones (k and v: 8 MB each on
+  Llama-3.1-8B) run far below the memory bandwidth. Each group's weights are moved once into one buffer (the
+  modules keep views of their rows: no memory is added, prefill computes what it computed before) and the step
+  runs one GEMV per group.
+- Compiled blocks (run key `compile_decode`, off): the MLPs and norms under torch.compile with static shapes.
+  Inductor fuses each RMSNorm (6 kernels) and the MLP's activation * up into one (H100, random 8B at 4K:
+  8.60 -> 7.73 ms/token, 1,497 -> 1,017 kernels; benchmarks/profile_decode.py). Their shapes never change
+  with the document, so one compilation serves every layer and document; the attention (Triton launchers,
+  the engine's cache state) stays eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+_COMPILED_SUFFIXES = ("MLP", "RMSNorm")
+# Fused weight buffers, per projecting module (attention or MLP), shared by every engine on the model.
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fuse(owner: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list] | None:
+    """Move `owner`'s Linear children `names` into one [sum(out), in] weight (and bias); each keeps a view of its
+    rows. None if they are not plain Linears over the same input. Done once per module."""
+    if owner in _FUSED:
+        return _FUSED[owner]
+    linears = [getattr(owner, name, None) for name in names]
+    first = linears[0]
+    if not all(type(m) is torch.nn.Linear for m in linears) or any(
+            m.in_features != first.in_features or m.weight.dtype != first.weight.dtype
+            or m.weight.device != first.weight.device or (m.bias is None) != (first.bias is None) for m in linears):
+        return None
+    # Plain tensors even when called under inference_mode: prefill uses the views too.
+    with torch.inference_mode(False), torch.no_grad():
+        weight = torch.cat([m.weight for m in linears])
+        bias = None if first.bias is None else torch.cat([m.bias for m in linears])
+        bounds, start = [], 0
+        for m in linears:
+            stop = start + m.out_features
+            m.weight = torch.nn.Parameter(weight[start:stop], requires_grad=False)
+            if bias is not None:
+                m.bias = torch.nn.Parameter(bias[start:stop], requires_grad=False)
+            bounds.append((start, stop))
+            start = stop
+    _FUSED[owner] = (weight, bias, bounds)
+    return _FUSED[owner]
+
+
+class _SharedGEMV:
+    """Projections that read the same input, as one GEMV: the first part called with an input computes every
+    part's columns; the others take theirs from it. A part called with another input gets its own columns of a
+    fresh product, so an unexpected call order costs time, never correctness."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bounds: list):
+        self.weight, self.bias, self.bounds = weight, bias, bounds
+        self.x = self.y = None
+
+    def columns(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        if x is not self.x:
+            self.x, self.y = x, F.linear(x, self.weight, self.bias)
+        start, stop = self.bounds[part]
+        return self.y[..., start:stop]
+
+    def clear(self) -> None:
+        self.x = self.y = None
+
+
+class _Part(torch.nn.Module):
+    def __init__(self, shared: _SharedGEMV, part: int):
+        super().__init__()
+        self.shared, self.part = shared, part
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared.columns(x, self.part)
+
+
+class GatedMLP(torch.nn.Module):
+    """down(act(gate(x)) * up(x)), the MLP of the Llama, Qwen, Mistral and Gemma families, with gate and up as
+    one GEMV."""
+
+    def __init__(self, mlp: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.act_fn, self.down_proj = mlp.act_fn, mlp.down_proj
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.weight, self.bias).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def _gated_mlp(mlp: torch.nn.Module) -> GatedMLP | None:
+    """The fused form of `mlp` if it is a gated MLP (checked on a random input against its own forward)."""
+    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")) \
+            or getattr(mlp.gate_proj, "out_features", None) != getattr(mlp.up_proj, "out_features", -1):
+        return None
+    fused = _fuse(mlp, ("gate_proj", "up_proj"))
+    if fused is None:
+        return None
+    candidate = GatedMLP(mlp, fused[0], fused[1])
+    weight = mlp.gate_proj.weight
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(1, 1, mlp.gate_proj.in_features, generator=gen, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        want, got = mlp(x).float(), candidate(x).float()
+    return candidate if torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()) else None
+
+
+class DecodeBlocks:
+    """Replacement modules for the decoder layers (fused projections, compiled MLPs and norms), in place only
+    inside `swapped()`. `fused` names what was fused ("qkv", "gate_up"), for the report."""
+
+    def __init__(self, model: torch.nn.Module, *, fuse: bool, compile: bool):
+        self.slots: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]] = []
+        self.shared: list[_SharedGEMV] = []
+        self.fused: set[str] = set()
+        self.compiled = compile
+        for layer in getattr(model.get_decoder(), "layers", None) or []:
+            for name, child in layer.named_children():
+                replacement = child
+                if fuse and name == "mlp":
+                    replacement = _gated_mlp(child) or child
+                    if replacement is not child:
+                        self.fused.add("gate_up")
+                if fuse and hasattr(child, "q_proj"):
+                    self._fuse_attention(child)
+                if compile and type(child).__name__.endswith(_COMPILED_SUFFIXES):
+                    replacement = torch.compile(replacement, dynamic=False)
+                if replacement is not child:
+                    self.slots.append((layer, name, child, replacement))
+
+    def _fuse_attention(self, attn: torch.nn.Module) -> None:
+        names = ("q_proj", "k_proj", "v_proj")
+        fused = _fuse(attn, names) if all(hasattr(attn, n) for n in names) else None
+        if fused is None:
+            return
+        shared = _SharedGEMV(*fused)
+        self.shared.append(shared)
+        self.slots += [(attn, n, getattr(attn, n), _Part(shared, i)) for i, n in enumerate(names)]
+        self.fused.add("qkv")
+
+    @contextlib.contextmanager
+    def swapped(self):
+        for parent, name, _, replacement in self.slots:
+            setattr(parent, name, replacement)
+        try:
+            yield
+        finally:
+            for parent, name, original, _ in self.slots:
+                setattr(parent, name, original)
+            for shared in self.shared:
+                shared.clear()
