@@ -26,6 +26,14 @@ def test_compiled_blocks_swap_in_the_mlps_and_norms_and_put_them_back(lm):
         assert [layer.mlp._orig_mod for layer in layers] == eager
         assert all(layer.self_attn is not None and not hasattr(layer.self_attn, "_orig_mod") for layer in layers)
     assert [layer.mlp for layer in layers] == eager
+    # The rotary embedding, swapped in the modeling module's globals and put back.
+    import transformers.models.gemma3.modeling_gemma3 as modeling
+
+    original = modeling.apply_rotary_pos_emb
+    assert [(m, n) for m, n, _, _ in blocks.functions] == [(modeling, "apply_rotary_pos_emb")]
+    with blocks.swapped():
+        assert modeling.apply_rotary_pos_emb is blocks.functions[0][3] is not original
+    assert modeling.apply_rotary_pos_emb is original
 
 
 def test_fused_projections_share_one_buffer_and_give_the_models_logits(lm):
