@@ -39,23 +39,25 @@ class LtriLayer(OwnedRowsLayer):
         self.slots = [-1] * (n_retrieved // block)  # block id per retrieval slot
         self.pending: dict[int, list] = {}  # block id -> spans, for blocks still in the window
         self.peak_rows = 0  # most valid rows ever held (measured at every chunk)
-        # Each stored block's mean key and value, fp32 [blocks, Hkv, D] (LtriConfig.compensate): views of
-        # buffers that double when full.
-        self.summary_k = self.summary_v = None
-        self._summaries: torch.Tensor | None = None  # [2, capacity, Hkv, D]
+        # Each stored block's mean key, mean value and key variance, fp32 [blocks, Hkv, D]
+        # (LtriConfig.compensate): views of buffers that double when full.
+        self.summary_k = self.summary_v = self.summary_var = None
+        self._summaries: torch.Tensor | None = None  # [3, capacity, Hkv, D]
 
     def add_summaries(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys, values [Hkv, n * block, D] of evicted blocks: append each block's mean key and value."""
+        """keys, values [Hkv, n * block, D] of evicted blocks: append each block's mean key, mean value and key
+        variance (per dimension, over the block's tokens)."""
         hkv, n, d = keys.shape[0], keys.shape[1] // self.block, keys.shape[2]
-        means = torch.stack([x.float().view(hkv, n, self.block, d).mean(2).transpose(0, 1) for x in (keys, values)])
+        k, v = (x.float().view(hkv, n, self.block, d) for x in (keys, values))
+        summaries = torch.stack([k.mean(2), v.mean(2), k.var(2, correction=0)]).transpose(1, 2)
         used = 0 if self.summary_k is None else self.summary_k.shape[0]
         if self._summaries is None or used + n > self._summaries.shape[1]:
-            grown = torch.empty(2, max(16, 2 * (used + n)), hkv, d, dtype=torch.float32, device=keys.device)
+            grown = torch.empty(3, max(16, 2 * (used + n)), hkv, d, dtype=torch.float32, device=keys.device)
             if used:
                 grown[:, :used] = self._summaries[:, :used]
             self._summaries = grown
-        self._summaries[:, used:used + n] = means
-        self.summary_k, self.summary_v = self._summaries[0, :used + n], self._summaries[1, :used + n]
+        self._summaries[:, used:used + n] = summaries
+        self.summary_k, self.summary_v, self.summary_var = (self._summaries[i, :used + n] for i in range(3))
 
     @staticmethod
     def rows_for(n_init: int, n_retrieved: int, n_local: int, block: int, room: int, **_) -> int:

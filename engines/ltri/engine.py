@@ -79,9 +79,11 @@ class LtriConfig:
     # half the host memory, for documents whose K/V outgrow the host, e.g. 1M tokens of an 8B model).
     context_memory: str = "model"
     # Ours, off by default (an experiment): the prefill attention of retrieving layers also counts every stored
-    # block it does not hold, as block_size keys at the block's mean key carrying its mean value, instead of
-    # renormalising over the rows it holds (the K/V drift that costs multi-key needles at 16K, see NOTES).
-    compensate: bool = False
+    # block it does not hold, carrying its mean value, instead of renormalising over the rows it holds (the K/V
+    # drift that costs multi-key needles at 16K, see NOTES). A block's mass sum_j exp(q.k_j): "mean" takes
+    # block_size x exp(q.mean key) (Jensen: an underestimate), "moment" adds the keys' per-dimension variance,
+    # block_size x exp(q.mean + q^2.var / 2) (exact for Gaussian keys).
+    compensate: str = "none"
 
     def __post_init__(self):
         for name in ("n_init", "n_local", "block_size", "top_k", "repr_topk", "min_vectors", "max_vectors"):
@@ -103,6 +105,7 @@ class LtriConfig:
             ("n_local", self.n_local % self.block_size == 0, f"a multiple of block_size ({self.block_size})"),
             ("successor_tail", 0 <= self.successor_tail <= self.block_size, f"0 to block_size ({self.block_size})"),
             ("compression", self.compression is None or self.compression >= 1, "null or a number >= 1"),
+            ("compensate", self.compensate in ("none", "mean", "moment"), "none, mean or moment"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -117,18 +120,19 @@ def compensated(s, v, s_out, v_out):
     return (torch.matmul(e, v) + torch.matmul(e_out, v_out)) / (e.sum(-1, keepdim=True) + e_out.sum(-1, keepdim=True))
 
 
-def _left_out(layer: LtriLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Mean keys and values [1, Hkv, 1, N, D] of the stored blocks the rows do not hold, or None."""
+def _left_out(layer: LtriLayer) -> tuple[torch.Tensor, ...] | None:
+    """Mean keys, mean values and key variances [1, Hkv, 1, N, D] of the stored blocks the rows do not hold, or
+    None."""
     if layer.summary_k is None:
         return None
     keep = torch.ones(layer.summary_k.shape[0], dtype=torch.bool, device=layer.summary_k.device)
     keep[[b for b in layer.slots if b >= 0]] = False
     if not keep.any():
         return None
-    return tuple(x[keep].transpose(0, 1)[None, :, None] for x in (layer.summary_k, layer.summary_v))
+    return tuple(x[keep].transpose(0, 1)[None, :, None] for x in (layer.summary_k, layer.summary_v, layer.summary_var))
 
 
-def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_own: int, compensate: bool = False):
+def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_own: int, compensate: str = "none"):
     """Explicit softmax over the layer's rows; adds each row's votes; returns out [B, Hq, T, D] and the
     chunk's own map [n_own, n_own] (its last n_own queries on its own window rows, summed over heads).
     compensate: the output also counts the stored blocks the rows leave out (LtriConfig.compensate); the votes
@@ -141,7 +145,7 @@ def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_o
     own0 = width - n_own
     out = torch.empty_like(query)
     own = torch.zeros(n_own, n_own, dtype=torch.float32, device=query.device)
-    left_out = _left_out(layer) if compensate else None
+    left_out = _left_out(layer) if compensate != "none" else None
     for lo in range(0, T, _QUERY_SLICE):
         t = min(_QUERY_SLICE, T - lo)
         q = query[:, :, lo:lo + t].float().view(B, hkv, Hq // hkv, t, D)
@@ -151,9 +155,11 @@ def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_o
         p = torch.softmax(s, dim=-1)
         if left_out is None:
             o = torch.matmul(p, v[:, :, None])
-        else:  # each left-out block stands for block_size keys at its mean key
-            k_mean, v_mean = left_out
+        else:  # each left-out block: its estimated log-mass (see LtriConfig.compensate), its mean value
+            k_mean, v_mean, k_var = left_out
             s_out = torch.matmul(q, k_mean.transpose(-1, -2)) * scaling + math.log(layer.block)
+            if compensate == "moment":
+                s_out = s_out + torch.matmul(q * q, k_var.transpose(-1, -2)) * (scaling * scaling / 2)
             o = compensated(s, v[:, :, None], s_out, v_mean)
         out[:, :, lo:lo + t] = o.view(B, Hq, t, D).to(query.dtype)
         heads = p.sum(dim=(0, 1, 2))  # [t, width]
@@ -279,9 +285,10 @@ class LtriEngine(Engine):
         rows = sum(LtriLayer.rows_for(**spec) for spec in layer_specs(model_config, cfg, 4096))
         full = sum(t != "sliding_attention" for t in layer_types(model_config))
         index = full * (n_tokens // cfg.block_size * cfg.max_vectors) * (per_token_layer // 2 + 8)
-        # compensate: a mean key and value per block and KV head in fp32, twice over (the buffer doubles)
-        per_block = 2 * per_token_layer * 4 // dtype_bytes
-        summaries = full * (n_tokens // cfg.block_size) * per_block if cfg.compensate else 0
+        # compensate: a mean key, mean value and key variance per block and KV head in fp32, twice over (the
+        # buffer doubles)
+        per_block = 3 * per_token_layer * 4 // dtype_bytes
+        summaries = full * (n_tokens // cfg.block_size) * per_block if cfg.compensate != "none" else 0
         return rows * per_token_layer + index + summaries
 
     @classmethod
