@@ -393,14 +393,16 @@ def test_chunk_size_must_be_whole_blocks(capsys, monkeypatch, tmp_path):
 
 
 @gpu
-def test_gpu_graph_decode_equals_cpu_reference():
+@pytest.mark.parametrize("compensate", ["none", "moment"])
+def test_gpu_graph_decode_equals_cpu_reference(compensate):
     from longctx_cli.models import load_model
 
     gpu_lm = load_model(None, device="cuda", dtype="float32")
     cpu_lm = load_model(None, device="cpu", dtype="float32")
     doc, question = story_ids(cpu_lm, "The keeper counted the ships in the bay. " * 30, 1500)
-    want, _ = greedy_answer(make_engine(cpu_lm, "ltri-stream", **SMALL), doc, question, 12)
-    engine = make_engine(gpu_lm, "ltri-stream", **SMALL)
+    settings = {**SMALL, "compensate": compensate}
+    want, _ = greedy_answer(make_engine(cpu_lm, "ltri-stream", **settings), doc, question, 12)
+    engine = make_engine(gpu_lm, "ltri-stream", **settings)
     got, state = greedy_answer(engine, doc, question, 12)
     assert engine.counters(state)["decode_cuda_graph"] is True
     assert got == want
@@ -483,3 +485,10 @@ def test_compensation_leaves_out_the_blocks_the_rows_hold():
     assert k_var[0, 0, 0, :, 0].tolist() == [1.25]  # keys 4..7: population variance
     layer.slots = [2, 1, 0]
     assert _left_out(layer) is None
+    # Runs of 2 tokens: two summaries a block, both left out with their block.
+    layer.summary_k = layer.summary_v = layer.summary_var = layer._summaries = None
+    LtriLayer.add_summaries(layer, keys, keys, tokens=2)
+    assert layer.summary_k[:, 0, 0].tolist() == [0.5, 2.5, 4.5, 6.5, 8.5, 10.5]
+    layer.slots = [2, -1, 0]
+    k_mean, _, k_var = _left_out(layer)
+    assert k_mean[0, 0, 0, :, 0].tolist() == [4.5, 6.5] and k_var[0, 0, 0, :, 0].tolist() == [0.25, 0.25]

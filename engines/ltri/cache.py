@@ -39,16 +39,18 @@ class LtriLayer(OwnedRowsLayer):
         self.slots = [-1] * (n_retrieved // block)  # block id per retrieval slot
         self.pending: dict[int, list] = {}  # block id -> spans, for blocks still in the window
         self.peak_rows = 0  # most valid rows ever held (measured at every chunk)
-        # Each stored block's mean key, mean value and key variance, fp32 [blocks, Hkv, D]
-        # (LtriConfig.compensate): views of buffers that double when full.
+        # The mean key, mean value and key variance of each run of summary_tokens tokens of the stored blocks,
+        # fp32 [runs, Hkv, D] (LtriConfig.compensate): views of buffers that double when full.
         self.summary_k = self.summary_v = self.summary_var = None
+        self.summary_tokens = block
         self._summaries: torch.Tensor | None = None  # [3, capacity, Hkv, D]
 
-    def add_summaries(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys, values [Hkv, n * block, D] of evicted blocks: append each block's mean key, mean value and key
-        variance (per dimension, over the block's tokens)."""
-        hkv, n, d = keys.shape[0], keys.shape[1] // self.block, keys.shape[2]
-        k, v = (x.float().view(hkv, n, self.block, d) for x in (keys, values))
+    def add_summaries(self, keys: torch.Tensor, values: torch.Tensor, tokens: int | None = None) -> None:
+        """keys, values [Hkv, n * block, D] of evicted blocks: append the mean key, mean value and key variance
+        (per dimension) of each run of `tokens` tokens (default: a block; a divisor of block)."""
+        self.summary_tokens = tokens or self.block
+        hkv, n, d = keys.shape[0], keys.shape[1] // self.summary_tokens, keys.shape[2]
+        k, v = (x.float().view(hkv, n, self.summary_tokens, d) for x in (keys, values))
         summaries = torch.stack([k.mean(2), v.mean(2), k.var(2, correction=0)]).transpose(1, 2)
         used = 0 if self.summary_k is None else self.summary_k.shape[0]
         if self._summaries is None or used + n > self._summaries.shape[1]:

@@ -84,6 +84,9 @@ class LtriConfig:
     # block_size x exp(q.mean key) (Jensen: an underestimate), "moment" adds the keys' per-dimension variance,
     # block_size x exp(q.mean + q^2.var / 2) (exact for Gaussian keys).
     compensate: str = "none"
+    # Tokens per summary of `compensate` (a divisor of block_size; null: one summary a block). Finer runs may
+    # estimate a block's mass better, at more summary memory.
+    summary_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("n_init", "n_local", "block_size", "top_k", "repr_topk", "min_vectors", "max_vectors"):
@@ -106,6 +109,8 @@ class LtriConfig:
             ("successor_tail", 0 <= self.successor_tail <= self.block_size, f"0 to block_size ({self.block_size})"),
             ("compression", self.compression is None or self.compression >= 1, "null or a number >= 1"),
             ("compensate", self.compensate in ("none", "mean", "moment"), "none, mean or moment"),
+            ("summary_tokens", self.summary_tokens is None or 1 <= self.summary_tokens <= self.block_size
+             and self.block_size % self.summary_tokens == 0, f"null or a divisor of block_size ({self.block_size})"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -121,12 +126,14 @@ def compensated(s, v, s_out, v_out):
 
 
 def _left_out(layer: LtriLayer) -> tuple[torch.Tensor, ...] | None:
-    """Mean keys, mean values and key variances [1, Hkv, 1, N, D] of the stored blocks the rows do not hold, or
-    None."""
+    """Mean keys, mean values and key variances [1, Hkv, 1, N, D] of the runs of the stored blocks the rows do
+    not hold, or None."""
     if layer.summary_k is None:
         return None
-    keep = torch.ones(layer.summary_k.shape[0], dtype=torch.bool, device=layer.summary_k.device)
+    runs = layer.block // layer.summary_tokens
+    keep = torch.ones(layer.summary_k.shape[0] // runs, dtype=torch.bool, device=layer.summary_k.device)
     keep[[b for b in layer.slots if b >= 0]] = False
+    keep = keep.repeat_interleave(runs)
     if not keep.any():
         return None
     return tuple(x[keep].transpose(0, 1)[None, :, None] for x in (layer.summary_k, layer.summary_v, layer.summary_var))
@@ -157,7 +164,7 @@ def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_o
             o = torch.matmul(p, v[:, :, None])
         else:  # each left-out block: its estimated log-mass (see LtriConfig.compensate), its mean value
             k_mean, v_mean, k_var = left_out
-            s_out = torch.matmul(q, k_mean.transpose(-1, -2)) * scaling + math.log(layer.block)
+            s_out = torch.matmul(q, k_mean.transpose(-1, -2)) * scaling + math.log(layer.summary_tokens)
             if compensate == "moment":
                 s_out = s_out + torch.matmul(q * q, k_var.transpose(-1, -2)) * (scaling * scaling / 2)
             o = compensated(s, v[:, :, None], s_out, v_mean)
@@ -285,10 +292,11 @@ class LtriEngine(Engine):
         rows = sum(LtriLayer.rows_for(**spec) for spec in layer_specs(model_config, cfg, 4096))
         full = sum(t != "sliding_attention" for t in layer_types(model_config))
         index = full * (n_tokens // cfg.block_size * cfg.max_vectors) * (per_token_layer // 2 + 8)
-        # compensate: a mean key, mean value and key variance per block and KV head in fp32, twice over (the
-        # buffer doubles)
-        per_block = 3 * per_token_layer * 4 // dtype_bytes
-        summaries = full * (n_tokens // cfg.block_size) * per_block if cfg.compensate != "none" else 0
+        # compensate: a mean key, mean value and key variance per run of summary_tokens and KV head in fp32,
+        # twice over (the buffer doubles)
+        per_run = 3 * per_token_layer * 4 // dtype_bytes
+        runs = n_tokens // (cfg.summary_tokens or cfg.block_size)
+        summaries = full * runs * per_run if cfg.compensate != "none" else 0
         return rows * per_token_layer + index + summaries
 
     @classmethod

@@ -106,7 +106,7 @@ class Indexer:
         keys, values, votes = layer.take_oldest(n * layer.block)
         cache.stats["device_to_host_bytes"] += layer.memory.add(keys, values)
         if self.cfg.compensate != "none":
-            layer.add_summaries(keys, values)
+            layer.add_summaries(keys, values, self.cfg.summary_tokens)
         if self.cfg.index == "dynamic" and self.cfg.pick == "cover":
             # Picked at the next flush, with every other layer's evicted blocks: the farthest-point steps are
             # small, and one batch per chunk instead of one per layer keeps long prefills from waiting on launches.
