@@ -9,6 +9,7 @@
 #                 first use; extra args go to `longctx bench` after the defaults, so they override them
 #                 (e.g. --set blocks=2 --compare none, --tasks niah_single_1,vt)
 #   tests         every GPU test -> gpu_tests.log
+#   tests-ltri    ltri-stream's GPU tests on the embedded model (installed and converted by accuracy) -> gpu_tests_ltri.log
 #   kernels       benchmarks/bench_resa_kernels.py (per-layer breakdown) -> resa_kernels.json
 #   speed PROFILE PRESET [LENGTHS [TAG args...]]  longctx bench --profile PROFILE vs dense on random:PRESET
 set -uo pipefail
@@ -63,6 +64,11 @@ PY
         --seed 0 "${@:5}" --json "$out/${profile}_accuracy_gemma3-270m_$length$tag.json" 2>&1 \
         | grep -v "━\|Loading weights" | tail -n 16
     done ;;
+  tests-ltri)  # ltri-stream's GPU tests, which need the embedded model (stage and accuracy first)
+    export PYTHONPATH=/root/site:$PWD LONGCTX_HOME=/root/longctx
+    { stamp "python3 -m pytest -q -m gpu tests/test_ltri.py"; python3 -m pytest -q -m gpu tests/test_ltri.py 2>&1; } \
+      > "$out/gpu_tests_ltri.log"
+    tail -n 15 "$out/gpu_tests_ltri.log" ;;
   tests)
     { stamp "python3 -m pytest -q -m gpu tests/"; python3 -m pytest -q -m gpu tests/ 2>&1; } > "$out/gpu_tests.log"
     tail -n 15 "$out/gpu_tests.log" ;;
@@ -71,6 +77,6 @@ PY
   speed)
     python3 -m longctx_cli bench --profile "$2" --model "random:$3" --lengths "${4:-32k,128k,256k}" --steps 64 \
       "${@:6}" --json "$out/${2}_speed_$3${5:-}.json" 2>&1 | grep -v "━\|Loading weights" | tail -n 20 ;;
-  *) echo "usage: $0 split | stage N | accuracy PROFILE LENGTHS [TAG args] | tests | kernels | speed PROFILE PRESET [LENGTHS [TAG args]]"
+  *) echo "usage: $0 split | stage N | accuracy PROFILE LENGTHS [TAG args] | tests | tests-ltri | kernels | speed PROFILE PRESET [LENGTHS [TAG args]]"
      exit 2 ;;
 esac
