@@ -455,17 +455,39 @@ def test_compensated_softmax_equals_attention_over_rows_and_summary_keys():
 def test_moment_estimate_of_a_blocks_mass_is_closer_than_the_mean_keys():
     """compensate: moment: block_size x exp(q.mean + q^2.var / 2) estimates sum_j exp(q.k_j) of a block of
     spread keys better than block_size x exp(q.mean) (which Jensen makes an underestimate), for every query."""
+    from engines.ltri.engine import left_out_log_mass
+
     torch.manual_seed(42)
     block, d = 16, 64
     keys = torch.randn(8, block, d) * torch.rand(8, 1, d) * 0.3 + torch.randn(8, 1, d) * 0.1
     q = torch.randn(20, d)
     true = torch.logsumexp(torch.einsum("td,bjd->tbj", q, keys), dim=-1)  # [t, blocks]
-    mean, var = keys.mean(1), keys.var(1, correction=0)
-    by_mean = q @ mean.T + math.log(block)
-    by_moment = by_mean + (q * q) @ var.T / 2
+    summaries = (keys.mean(1), None, keys.var(1, correction=0), keys.amax(1), keys.amin(1))
+    by_mean = left_out_log_mass(q, summaries, block, 1.0, "mean")
+    by_moment = left_out_log_mass(q, summaries, block, 1.0, "moment")
     assert (by_mean <= true + 1e-5).all()
     assert ((by_moment - true).abs() < (by_mean - true).abs()).float().mean() > 0.9
     assert (by_moment - true).abs().mean() < 0.5 * (by_mean - true).abs().mean()
+
+
+def test_moment_estimate_is_capped_at_the_blocks_upper_bound():
+    """A block of equal keys but one far outlier dimension: the Gaussian variance term would overshoot the
+    block's true mass by orders of magnitude; the cap at block_size x exp(max(q,0).kmax + min(q,0).kmin) keeps
+    the estimate at or above the truth (Jensen) and never above that bound."""
+    from engines.ltri.engine import left_out_log_mass
+
+    torch.manual_seed(42)
+    block, d = 16, 8
+    keys = torch.zeros(1, block, d)
+    keys[0, 0, 0] = 12.0  # one key, one dimension
+    q = torch.randn(6, d) * 0.3 + torch.tensor([4.0] + [0.0] * (d - 1))
+    true = torch.logsumexp(torch.einsum("td,bjd->tbj", q, keys), dim=-1)
+    summaries = (keys.mean(1), None, keys.var(1, correction=0), keys.amax(1), keys.amin(1))
+    uncapped = left_out_log_mass(q, summaries, block, 1.0, "mean") + (q * q) @ summaries[2].T / 2
+    capped = left_out_log_mass(q, summaries, block, 1.0, "moment")
+    bound = q.clamp(min=0) @ summaries[3].T + q.clamp(max=0) @ summaries[4].T + math.log(block)
+    assert (uncapped > true + 5).all()  # the overshoot the cap is for
+    assert (capped <= bound + 1e-5).all() and (capped >= true - 1e-5).all()
 
 
 def test_compensation_leaves_out_the_blocks_the_rows_hold():
@@ -476,19 +498,20 @@ def test_compensation_leaves_out_the_blocks_the_rows_hold():
     layer = LtriLayer.__new__(LtriLayer)
     layer.block, layer.slots = 4, [2, -1, 0]
     keys = torch.arange(3 * 4, dtype=torch.float32).view(1, 12, 1).expand(2, 12, 1)  # Hkv 2, 3 blocks, D 1
-    layer.summary_k = layer.summary_v = layer.summary_var = layer._summaries = None
+    layer.summaries = layer._summaries = None
     LtriLayer.add_summaries(layer, keys[:, :4], keys[:, :4])  # one block, then two more
     LtriLayer.add_summaries(layer, keys[:, 4:], keys[:, 4:])
-    assert layer.summary_k.shape == (3, 2, 1) and layer.summary_k[:, 0, 0].tolist() == [1.5, 5.5, 9.5]
-    k_mean, v_mean, k_var = _left_out(layer)
+    assert layer.summaries[0].shape == (3, 2, 1) and layer.summaries[0][:, 0, 0].tolist() == [1.5, 5.5, 9.5]
+    k_mean, v_mean, k_var, k_max, k_min = _left_out(layer)
     assert k_mean.shape == (1, 2, 1, 1, 1) and v_mean[0, 0, 0, :, 0].tolist() == [5.5]  # only block 1 left out
     assert k_var[0, 0, 0, :, 0].tolist() == [1.25]  # keys 4..7: population variance
+    assert k_max[0, 0, 0, :, 0].tolist() == [7.0] and k_min[0, 0, 0, :, 0].tolist() == [4.0]
     layer.slots = [2, 1, 0]
     assert _left_out(layer) is None
     # Runs of 2 tokens: two summaries a block, both left out with their block.
-    layer.summary_k = layer.summary_v = layer.summary_var = layer._summaries = None
+    layer.summaries = layer._summaries = None
     LtriLayer.add_summaries(layer, keys, keys, tokens=2)
-    assert layer.summary_k[:, 0, 0].tolist() == [0.5, 2.5, 4.5, 6.5, 8.5, 10.5]
+    assert layer.summaries[0][:, 0, 0].tolist() == [0.5, 2.5, 4.5, 6.5, 8.5, 10.5]
     layer.slots = [2, -1, 0]
-    k_mean, _, k_var = _left_out(layer)
+    k_mean, _, k_var, _, _ = _left_out(layer)
     assert k_mean[0, 0, 0, :, 0].tolist() == [4.5, 6.5] and k_var[0, 0, 0, :, 0].tolist() == [0.25, 0.25]

@@ -39,27 +39,27 @@ class LtriLayer(OwnedRowsLayer):
         self.slots = [-1] * (n_retrieved // block)  # block id per retrieval slot
         self.pending: dict[int, list] = {}  # block id -> spans, for blocks still in the window
         self.peak_rows = 0  # most valid rows ever held (measured at every chunk)
-        # The mean key, mean value and key variance of each run of summary_tokens tokens of the stored blocks,
-        # fp32 [runs, Hkv, D] (LtriConfig.compensate): views of buffers that double when full.
-        self.summary_k = self.summary_v = self.summary_var = None
+        # Per run of summary_tokens tokens of the stored blocks, fp32 [runs, Hkv, D] each (LtriConfig.compensate):
+        # the mean key, mean value, key variance, key max and key min, views of a buffer that doubles when full.
+        self.summaries: tuple[torch.Tensor, ...] | None = None
         self.summary_tokens = block
-        self._summaries: torch.Tensor | None = None  # [3, capacity, Hkv, D]
+        self._summaries: torch.Tensor | None = None  # [5, capacity, Hkv, D]
 
     def add_summaries(self, keys: torch.Tensor, values: torch.Tensor, tokens: int | None = None) -> None:
-        """keys, values [Hkv, n * block, D] of evicted blocks: append the mean key, mean value and key variance
-        (per dimension) of each run of `tokens` tokens (default: a block; a divisor of block)."""
+        """keys, values [Hkv, n * block, D] of evicted blocks: append the summaries of each run of `tokens` tokens
+        (default: a block; a divisor of block)."""
         self.summary_tokens = tokens or self.block
         hkv, n, d = keys.shape[0], keys.shape[1] // self.summary_tokens, keys.shape[2]
         k, v = (x.float().view(hkv, n, self.summary_tokens, d) for x in (keys, values))
-        summaries = torch.stack([k.mean(2), v.mean(2), k.var(2, correction=0)]).transpose(1, 2)
-        used = 0 if self.summary_k is None else self.summary_k.shape[0]
+        new = torch.stack([k.mean(2), v.mean(2), k.var(2, correction=0), k.amax(2), k.amin(2)]).transpose(1, 2)
+        used = 0 if self.summaries is None else self.summaries[0].shape[0]
         if self._summaries is None or used + n > self._summaries.shape[1]:
-            grown = torch.empty(3, max(16, 2 * (used + n)), hkv, d, dtype=torch.float32, device=keys.device)
+            grown = torch.empty(5, max(16, 2 * (used + n)), hkv, d, dtype=torch.float32, device=keys.device)
             if used:
                 grown[:, :used] = self._summaries[:, :used]
             self._summaries = grown
-        self._summaries[:, used:used + n] = summaries
-        self.summary_k, self.summary_v, self.summary_var = (self._summaries[i, :used + n] for i in range(3))
+        self._summaries[:, used:used + n] = new
+        self.summaries = tuple(self._summaries[:, :used + n])
 
     @staticmethod
     def rows_for(n_init: int, n_retrieved: int, n_local: int, block: int, room: int, **_) -> int:
@@ -197,6 +197,7 @@ class LtriCache(StaticKVCache):
         self.chunk_votes: list[tuple[float, torch.Tensor]] = []
         self.span_queue: list = []  # (layer, layer index, first block id, maps [k, block, block]) to divide
         self.pick_queue: list = []  # (layer, layer index, first block id, keys, votes) evicted, to index
+        self.question = False  # the chunk in flight is the question (LtriConfig.compensate leaves it alone)
         self.stats = {"host_to_device_bytes": 0, "device_to_host_bytes": 0, "blocks_retrieved": 0,
                       "retrievals": 0, "spans": 0, "blocks_indexed": 0, "successors": 0}
 

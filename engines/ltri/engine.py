@@ -78,11 +78,13 @@ class LtriConfig:
     # CPU context memory format: "model" (the model's dtype) or "fp8" (e4m3 with a scale per block and KV head:
     # half the host memory, for documents whose K/V outgrow the host, e.g. 1M tokens of an 8B model).
     context_memory: str = "model"
-    # Ours, off by default (an experiment): the prefill attention of retrieving layers also counts every stored
-    # block it does not hold, carrying its mean value, instead of renormalising over the rows it holds (the K/V
-    # drift that costs multi-key needles at 16K, see NOTES). A block's mass sum_j exp(q.k_j): "mean" takes
-    # block_size x exp(q.mean key) (Jensen: an underestimate), "moment" adds the keys' per-dimension variance,
-    # block_size x exp(q.mean + q^2.var / 2) (exact for Gaussian keys).
+    # Ours, off by default (an experiment): the document's prefill attention in retrieving layers also counts
+    # every stored block it does not hold, carrying its mean value, instead of renormalising over the rows it
+    # holds (the K/V drift that costs multi-key needles at 16K, see NOTES). The question's chunk is left alone:
+    # counted there too, the blurred mass broke single needles' answers ("1111...") on the embedded model.
+    # A block's mass sum_j exp(q.k_j): "mean" takes block_size x exp(q.mean key) (Jensen: an underestimate), "moment" adds the keys' per-dimension variance,
+    # block_size x exp(q.mean + q^2.var / 2) (exact for Gaussian keys), capped at the block's upper bound from its
+    # keys' max and min (left_out_log_mass).
     compensate: str = "none"
     # Tokens per summary of `compensate` (a divisor of block_size; null: one summary a block). Finer runs may
     # estimate a block's mass better, at more summary memory.
@@ -126,17 +128,31 @@ def compensated(s, v, s_out, v_out):
 
 
 def _left_out(layer: LtriLayer) -> tuple[torch.Tensor, ...] | None:
-    """Mean keys, mean values and key variances [1, Hkv, 1, N, D] of the runs of the stored blocks the rows do
-    not hold, or None."""
-    if layer.summary_k is None:
+    """The summaries (LtriLayer.summaries) [1, Hkv, 1, N, D] of the runs of the stored blocks the rows do not
+    hold, or None."""
+    if layer.summaries is None:
         return None
     runs = layer.block // layer.summary_tokens
-    keep = torch.ones(layer.summary_k.shape[0] // runs, dtype=torch.bool, device=layer.summary_k.device)
+    keep = torch.ones(layer.summaries[0].shape[0] // runs, dtype=torch.bool, device=layer.summaries[0].device)
     keep[[b for b in layer.slots if b >= 0]] = False
     keep = keep.repeat_interleave(runs)
     if not keep.any():
         return None
-    return tuple(x[keep].transpose(0, 1)[None, :, None] for x in (layer.summary_k, layer.summary_v, layer.summary_var))
+    return tuple(x[keep].transpose(0, 1)[None, :, None] for x in layer.summaries)
+
+
+def left_out_log_mass(q, summaries, n: int, scaling: float, compensate: str):
+    """Estimated log sum_j exp(scaling q.k_j) over each summarised run of n keys: q [..., t, D], summaries
+    [..., N, D] -> [..., t, N]. mean: n exp(q.mean) (Jensen: a lower bound); moment: n exp(q.mean + q^2.var / 2),
+    capped at the run's upper bound n exp(max(q, 0).kmax + min(q, 0).kmin): a few keys far from the rest
+    (a needle, an outlier dimension) make the Gaussian's variance term overshoot."""
+    k_mean, _, k_var, k_max, k_min = summaries
+    s = torch.matmul(q, k_mean.transpose(-1, -2)) * scaling + math.log(n)
+    if compensate == "moment":
+        bound = (torch.matmul(q.clamp(min=0), k_max.transpose(-1, -2))
+                 + torch.matmul(q.clamp(max=0), k_min.transpose(-1, -2))) * scaling + math.log(n)
+        s = torch.minimum(s + torch.matmul(q * q, k_var.transpose(-1, -2)) * (scaling * scaling / 2), bound)
+    return s
 
 
 def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_own: int, compensate: str = "none"):
@@ -162,12 +178,9 @@ def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_o
         p = torch.softmax(s, dim=-1)
         if left_out is None:
             o = torch.matmul(p, v[:, :, None])
-        else:  # each left-out block: its estimated log-mass (see LtriConfig.compensate), its mean value
-            k_mean, v_mean, k_var = left_out
-            s_out = torch.matmul(q, k_mean.transpose(-1, -2)) * scaling + math.log(layer.summary_tokens)
-            if compensate == "moment":
-                s_out = s_out + torch.matmul(q * q, k_var.transpose(-1, -2)) * (scaling * scaling / 2)
-            o = compensated(s, v[:, :, None], s_out, v_mean)
+        else:  # each left-out run: its estimated log-mass, its mean value
+            s_out = left_out_log_mass(q, left_out, layer.summary_tokens, scaling, compensate)
+            o = compensated(s, v[:, :, None], s_out, left_out[1])
         out[:, :, lo:lo + t] = o.view(B, Hq, t, D).to(query.dtype)
         heads = p.sum(dim=(0, 1, 2))  # [t, width]
         layer.votes[:width] += heads.sum(dim=0)
@@ -240,7 +253,8 @@ class LtriEngine(Engine):
         indexer = longctx.indexer
         indexer.retrieve(layer, module.layer_idx, query, key, scaling, longctx)
         n_own = min(t, layer.local_len)
-        out, own = _softmax_attention(layer, query, key, value, scaling, offset, n_own, indexer.cfg.compensate)
+        compensate = "none" if longctx.question else indexer.cfg.compensate
+        out, own = _softmax_attention(layer, query, key, value, scaling, offset, n_own, compensate)
         indexer.note_spans(layer, module.layer_idx, own, offset + t - n_own, longctx)
         indexer.evict(layer, module.layer_idx, longctx)
         return out.transpose(1, 2), None
@@ -273,7 +287,11 @@ class LtriEngine(Engine):
                                    f"{hint}a shorter document or a host with more memory")
 
     def _encode_question(self, state, question_ids, n_new):
-        logits = super()._encode_question(state, question_ids, n_new)
+        state.cache.question = True
+        try:
+            logits = super()._encode_question(state, question_ids, n_new)
+        finally:
+            state.cache.question = False
         self.indexer.flush(state.cache)  # index what the question's chunk evicted (the counters count it)
         for layer in state.cache.layers:
             if layer.local_len + n_new > layer.local_cap:
@@ -292,9 +310,9 @@ class LtriEngine(Engine):
         rows = sum(LtriLayer.rows_for(**spec) for spec in layer_specs(model_config, cfg, 4096))
         full = sum(t != "sliding_attention" for t in layer_types(model_config))
         index = full * (n_tokens // cfg.block_size * cfg.max_vectors) * (per_token_layer // 2 + 8)
-        # compensate: a mean key, mean value and key variance per run of summary_tokens and KV head in fp32,
-        # twice over (the buffer doubles)
-        per_run = 3 * per_token_layer * 4 // dtype_bytes
+        # compensate: five vectors per run of summary_tokens and KV head in fp32 (LtriLayer.summaries), twice
+        # over (the buffer doubles)
+        per_run = 5 * per_token_layer * 4 // dtype_bytes
         runs = n_tokens // (cfg.summary_tokens or cfg.block_size)
         summaries = full * runs * per_run if cfg.compensate != "none" else 0
         return rows * per_token_layer + index + summaries
