@@ -398,6 +398,33 @@ def test_select_triton_breaks_ties_by_lowest_index(n_blocks):
         assert (got[0, h, k:] == -1).all()
 
 
+@pytest.mark.parametrize("forced", [(1, 0), (3, 2), (24, 0), (20, 30)], ids=lambda f: f"local{f[0]}-sink{f[1]}")
+@pytest.mark.parametrize("n_blocks", [1, 2, 17, 40, 300], ids=lambda n: f"NB{n}")
+@pytest.mark.gpu
+@needs_triton
+def test_select_triton_forced_blocks_around_k(n_blocks, forced):
+    """The search is bracketed by the finite scores and stops early: it must stay exact when the forced
+    (+inf) blocks are fewer than, as many as or more than k, and when every block is forced."""
+    from kernels.block_select.triton import select_blocks_triton
+
+    D = 64
+    torch.manual_seed(42)
+    kmax = torch.randn(1, 2, n_blocks, D)
+    kmin = kmax - torch.rand(1, 2, n_blocks, D)
+    q = torch.randn(1, 2, D)
+    length = torch.tensor([n_blocks * BS - 5])
+    rule = KeepRule(0.1, 16, *forced)
+    width = rule.keep(n_blocks) + 2
+    args = [t.to(DEVICE) for t in (q, kmax, kmin, length)]
+    got = select_blocks_triton(*args, block_size=BS, rule=rule, width=width).cpu()
+    scores = block_scores(q, kmax, kmin, length, block_size=BS, local_blocks=forced[0], sink_blocks=forced[1])
+    k = rule.keep(n_blocks)
+    for h in range(2):
+        order = sorted(range(n_blocks), key=lambda i: (-scores[0, h, i].item(), i))  # ties: lowest index first
+        assert got[0, h, :k].tolist() == sorted(order[:k]), f"head {h}"
+        assert (got[0, h, k:] == -1).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("L", [1, 17, 1000, 4097, 32768], ids=lambda n: f"L{n}")
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")

@@ -2,7 +2,8 @@
 
 `_block_topk_resident_kernel`, one program per (batch, kv head): finds the k-th largest score over the scores'
 order-preserving integer keys, held in registers as two power-of-two parts (k is computed on the device from
-`length`) by a 32-step binary search, then writes the blocks scoring above it, plus as many ties as needed
+`length`) by a binary search between the smallest and largest finite key that stops once exactly k blocks are
+at or above the midpoint (at most 32 steps), then writes the blocks scoring above it, plus as many ties as needed
 (lowest index first), in ascending order, and pads with -1. Past the launcher's resident limit,
 `_block_topk_kernel` does the same in passes over the scores (which stay in L2). Measured on an H100 and not
 kept: a radix select (four tl.histogram passes, 1.8x slower), a search of 2 bits a step (three counts a step,
@@ -48,12 +49,15 @@ def _block_topk_kernel(
 ):
     pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
     row = Scores + pid_bh * n_blocks_cap
-    # Invariant: count(key >= lo) >= k > count(key >= hi); after 32 halvings lo is the k-th largest key.
+    # Invariant: count(key >= lo) >= k > count(key >= hi); after at most 32 halvings lo is the k-th largest
+    # key, or a key with exactly k blocks at or above it (as good a threshold: the output takes its ties).
     lo = tl.zeros([], dtype=tl.int64)
     hi = lo + 4294967296
-    for _ in range(32):
+    count = lo - 1
+    while (hi - lo > 1) & (count != k):
         mid = (lo + hi) // 2
-        enough = _count_at_least(row, n_blocks, mid, TILE) >= k
+        count = _count_at_least(row, n_blocks, mid, TILE)
+        enough = count >= k
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid)
     ties_wanted = k - _count_at_least(row, n_blocks, lo + 1, TILE)
@@ -82,6 +86,20 @@ def _resident_keys(Row, offs, inside):
 
 
 @triton.jit
+def _min_max_count(a_low, a_high, a_n, b_low, b_high, b_n):
+    return tl.minimum(a_low, b_low), tl.maximum(a_high, b_high), a_n + b_n
+
+
+@triton.jit
+def _key_range(key, inside):
+    """One reduction: the smallest key, the largest finite key and the count of +inf (or NaN) keys."""
+    inf_key = 2139095040
+    finite = key < inf_key
+    return tl.reduce((tl.where(inside, key, inf_key), tl.where(inside & finite, key, -2147483648),
+                      (inside & ~finite).to(tl.int32)), 0, _min_max_count)
+
+
+@triton.jit
 def _block_topk_resident_kernel(
     Scores, Length, Out, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
     BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr,
@@ -96,9 +114,16 @@ def _block_topk_resident_kernel(
     in_b = offs_b < n_blocks
     key_a = _resident_keys(row, offs_a, in_a)
     key_b = _resident_keys(row, offs_b, in_b)
-    lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483648, tl.int64)
-    for _ in range(32):
+    # Bracket the search by the keys present (+inf marks the blocks always kept): lo = the smallest key, hi =
+    # one past the largest finite key unless k blocks reach it. The search stops as soon as exactly k blocks
+    # score >= mid (mid is then as good a threshold as the k-th key: the output below takes every tie of it).
+    low_a, high_a, n_inf_a = _key_range(key_a, in_a)
+    low_b, high_b, n_inf_b = _key_range(key_b, in_b)
+    lo = tl.minimum(low_a, low_b).to(tl.int64)
+    top = tl.maximum(tl.maximum(high_a, high_b).to(tl.int64), lo) + 1
+    hi = tl.where(n_inf_a + n_inf_b < k, top, 2147483648)
+    count = tl.full([], -1, tl.int32)
+    while (hi - lo > 1) & (count != k):
         mid = (lo + hi) >> 1
         m32 = mid.to(tl.int32)
         count = tl.sum(((key_a >= m32) & in_a).to(tl.int32), 0) + tl.sum(((key_b >= m32) & in_b).to(tl.int32), 0)
