@@ -49,13 +49,18 @@ def _sparse_decode_fwd_kernel(
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+    # Key n0 + i is row i % BLOCK of the block listed in slot (n0 + i) // BLOCK. The next step's list entries
+    # are loaded a step ahead, and V with K, so that no load waits on another inside the step.
+    slot = (slot_lo * BLOCK + offs_n) // BLOCK
+    blk_next = tl.load(list_row + slot, mask=slot < slot_hi, other=-1)
     for n0 in range(slot_lo * BLOCK, slot_hi * BLOCK, BLOCK_N):
-        # Key n0 + i is row i % BLOCK of the block listed in slot (n0 + i) // BLOCK.
-        slot = (n0 + offs_n) // BLOCK
-        blk = tl.load(list_row + slot, mask=slot < slot_hi, other=-1).to(tl.int64)
+        blk = blk_next.to(tl.int64)
         tok = blk * BLOCK + (offs_n % BLOCK)
         valid = (blk >= 0) & (tok < length)
         k = tl.load(k_base + tok[:, None] * stride_ks + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_base + tok[:, None] * stride_vs + offs_d[None, :], mask=valid[:, None], other=0.0)
+        slot = (n0 + BLOCK_N + offs_n) // BLOCK
+        blk_next = tl.load(list_row + slot, mask=slot < slot_hi, other=-1)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G_PAD, BLOCK_N], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -64,7 +69,6 @@ def _sparse_decode_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + tok[:, None] * stride_vs + offs_d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
