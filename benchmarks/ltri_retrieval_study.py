@@ -25,7 +25,7 @@ from engines import ENGINES  # noqa: E402
 from engines.decoding import Sampler  # noqa: E402
 from longctx_cli.accuracy import PromptBuilder, _ids  # noqa: E402
 from longctx_cli.models import load_model  # noqa: E402
-from longctx_cli.profiles import resolve_profile  # noqa: E402
+from longctx_cli.profiles import parse_override, resolve_profile  # noqa: E402
 from longctx_cli.report import run_stamp  # noqa: E402
 from longctx_cli.prompt import AnswerText  # noqa: E402
 from longctx_cli.tasks import ANSWER_BUDGET, generate, score  # noqa: E402
@@ -140,9 +140,7 @@ def main() -> None:
     args = parser.parse_args()
 
     overrides = {"chunk_size": args.chunk_size}
-    for item in args.set:
-        key, value = item.split("=", 1)
-        overrides[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+    overrides.update(parse_override(item) for item in args.set)  # YAML values, as `longctx --set`: [5, 11]
     lm = load_model(None, device="auto", dtype="auto")
     prof = resolve_profile("ltri-stream", overrides)
     cfg = prof.engine_config

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -515,3 +516,46 @@ def test_compensation_leaves_out_the_blocks_the_rows_hold():
     layer.slots = [2, -1, 0]
     k_mean, _, k_var, _, _ = _left_out(layer)
     assert k_mean[0, 0, 0, :, 0].tolist() == [4.5, 6.5] and k_var[0, 0, 0, :, 0].tolist() == [0.25, 0.25]
+
+
+@pytest.mark.parametrize("question", [False, True], ids=["question-exempt", "question-compensated"])
+def test_compensation_applies_only_to_the_listed_layers(lm, story_text, monkeypatch, question):
+    """compensate_layers=[5]: every attention of layers 11 and 17 equals the uncompensated one on the same
+    inputs (and they keep no summaries), while layer 5's differs once blocks are stored; the question's chunk
+    of layer 5 is compensated only with compensate_question."""
+    import engines.ltri.engine as ltri_engine
+
+    plain = ltri_engine._softmax_attention
+    diffs: dict[tuple[int, bool], float] = {}
+
+    def checked(layer, query, key, value, scaling, offset, n_own, compensate="none"):
+        votes = layer.votes.clone()
+        want, _ = plain(layer, query, key, value, scaling, offset, n_own, "none")
+        layer.votes.copy_(votes)
+        out, own = plain(layer, query, key, value, scaling, offset, n_own, compensate)
+        at = (layer.owner.layers.index(layer), layer.owner.question)
+        diffs[at] = max(diffs.get(at, 0.0), float((out - want).abs().max()))
+        return out, own
+
+    monkeypatch.setattr(ltri_engine, "_softmax_attention", checked)
+    doc, ask = story_ids(lm, story_text, 1500)
+    engine = make_engine(lm, "ltri-stream", **SMALL, compensate="moment", compensate_layers=[5],
+                         compensate_question=question)
+    _, state = greedy_answer(engine, doc, ask, 2)
+    assert {i for i, _ in diffs} == {5, 11, 17}  # the embedded model's retrieving layers
+    assert diffs[11, False] == diffs[17, False] == diffs[11, True] == diffs[17, True] == 0.0
+    assert diffs[5, False] > 1e-4
+    assert (diffs[5, True] > 1e-4) if question else diffs[5, True] == 0.0
+    assert state.cache.layers[5].summaries is not None
+    assert state.cache.layers[11].summaries is None and state.cache.layers[17].summaries is None
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(compensate_layers=[5, -1]), "bad value for compensate_layers: [5, -1]"),
+    (dict(compensate_layers=[4]), "bad value for compensate_layers: [4]; expected retrieving"),
+])
+def test_compensate_layers_must_name_retrieving_layers(lm, settings, message):
+    from longctx_cli.errors import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match=re.escape(message)):
+        make_engine(lm, "ltri-stream", **settings)

@@ -197,7 +197,7 @@ class LtriCache(StaticKVCache):
         self.chunk_votes: list[tuple[float, torch.Tensor]] = []
         self.span_queue: list = []  # (layer, layer index, first block id, maps [k, block, block]) to divide
         self.pick_queue: list = []  # (layer, layer index, first block id, keys, votes) evicted, to index
-        self.question = False  # the chunk in flight is the question (LtriConfig.compensate leaves it alone)
+        self.question = False  # the chunk in flight is the question (see LtriConfig.compensate_question)
         self.stats = {"host_to_device_bytes": 0, "device_to_host_bytes": 0, "blocks_retrieved": 0,
                       "retrievals": 0, "spans": 0, "blocks_indexed": 0, "successors": 0}
 

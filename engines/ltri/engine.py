@@ -80,8 +80,9 @@ class LtriConfig:
     context_memory: str = "model"
     # Ours, off by default (an experiment): the document's prefill attention in retrieving layers also counts
     # every stored block it does not hold, carrying its mean value, instead of renormalising over the rows it
-    # holds (the K/V drift that costs multi-key needles at 16K, see NOTES). The question's chunk is left alone:
-    # counted there too, the blurred mass broke single needles' answers ("1111...") on the embedded model.
+    # holds (the K/V drift that costs multi-key needles at 16K, see NOTES). The question's chunk is left alone
+    # (unless compensate_question): counted there too, the blurred mass broke single needles' answers ("1111...")
+    # on the embedded model.
     # A block's mass sum_j exp(q.k_j): "mean" takes block_size x exp(q.mean key) (Jensen: an underestimate), "moment" adds the keys' per-dimension variance,
     # block_size x exp(q.mean + q^2.var / 2) (exact for Gaussian keys), capped at the block's upper bound from its
     # keys' max and min (left_out_log_mass).
@@ -89,6 +90,12 @@ class LtriConfig:
     # Tokens per summary of `compensate` (a divisor of block_size; null: one summary a block). Finer runs may
     # estimate a block's mass better, at more summary memory.
     summary_tokens: int | None = None
+    # Layers `compensate` applies to (null: every retrieving layer). The drift enters through the first
+    # retrieving layer, whose inputs are still exact (so its summaries are too); layers not listed attend to
+    # their rows only and store no summaries.
+    compensate_layers: list[int] | None = None
+    # Compensate the question's chunk too (its retrieval is the one decoding keeps).
+    compensate_question: bool = False
 
     def __post_init__(self):
         for name in ("n_init", "n_local", "block_size", "top_k", "repr_topk", "min_vectors", "max_vectors"):
@@ -113,10 +120,18 @@ class LtriConfig:
             ("compensate", self.compensate in ("none", "mean", "moment"), "none, mean or moment"),
             ("summary_tokens", self.summary_tokens is None or 1 <= self.summary_tokens <= self.block_size
              and self.block_size % self.summary_tokens == 0, f"null or a divisor of block_size ({self.block_size})"),
+            ("compensate_layers", self.compensate_layers is None or isinstance(self.compensate_layers, (list, tuple))
+             and all(type(i) is int and i >= 0 for i in self.compensate_layers),
+             "null or a list of layer indices (integers >= 0)"),
+            ("compensate_question", isinstance(self.compensate_question, bool), "true or false"),
         ]
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"bad value for {name}: {getattr(self, name)!r}; expected {expected}")
+
+    def compensates(self, layer_idx: int) -> bool:
+        """Whether `compensate` applies to (and keeps summaries for) this layer."""
+        return self.compensate != "none" and (self.compensate_layers is None or layer_idx in self.compensate_layers)
 
 
 def compensated(s, v, s_out, v_out):
@@ -228,9 +243,12 @@ class LtriEngine(Engine):
 
     def __init__(self, lm, config, run):
         super().__init__(lm, config, run)
+        full = [i for i, t in enumerate(layer_types(self.model.config)) if t != "sliding_attention"]
+        if config.compensate_layers is not None and not set(config.compensate_layers) <= set(full):
+            raise EngineInputError(f"bad value for compensate_layers: {list(config.compensate_layers)}; expected "
+                                   f"retrieving (full-attention) layers of the model: {full}")
         heads = {}
         if config.retrieval_heads == "auto" and not lm.random_weights:
-            full = [i for i, t in enumerate(layer_types(self.model.config)) if t != "sliding_attention"]
             heads = cached_heads(self.model, lm.tokenizer, lm.name, full, longctx_home())
             self.activate()
         self.indexer = Indexer(config, self.text_config, heads)
@@ -253,7 +271,9 @@ class LtriEngine(Engine):
         indexer = longctx.indexer
         indexer.retrieve(layer, module.layer_idx, query, key, scaling, longctx)
         n_own = min(t, layer.local_len)
-        compensate = "none" if longctx.question else indexer.cfg.compensate
+        cfg = indexer.cfg
+        on = cfg.compensates(module.layer_idx) and (cfg.compensate_question or not longctx.question)
+        compensate = cfg.compensate if on else "none"
         out, own = _softmax_attention(layer, query, key, value, scaling, offset, n_own, compensate)
         indexer.note_spans(layer, module.layer_idx, own, offset + t - n_own, longctx)
         indexer.evict(layer, module.layer_idx, longctx)
@@ -308,13 +328,15 @@ class LtriEngine(Engine):
         cfg = engine_config or LtriConfig()
         per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
         rows = sum(LtriLayer.rows_for(**spec) for spec in layer_specs(model_config, cfg, 4096))
-        full = sum(t != "sliding_attention" for t in layer_types(model_config))
+        kinds = layer_types(model_config)
+        full = sum(t != "sliding_attention" for t in kinds)
         index = full * (n_tokens // cfg.block_size * cfg.max_vectors) * (per_token_layer // 2 + 8)
         # compensate: five vectors per run of summary_tokens and KV head in fp32 (LtriLayer.summaries), twice
-        # over (the buffer doubles)
+        # over (the buffer doubles), in the layers it applies to
         per_run = 5 * per_token_layer * 4 // dtype_bytes
         runs = n_tokens // (cfg.summary_tokens or cfg.block_size)
-        summaries = full * runs * per_run if cfg.compensate != "none" else 0
+        summarised = sum(t != "sliding_attention" and cfg.compensates(i) for i, t in enumerate(kinds))
+        summaries = summarised * runs * per_run
         return rows * per_token_layer + index + summaries
 
     @classmethod
