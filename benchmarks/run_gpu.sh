@@ -11,6 +11,7 @@
 #   tests         every GPU test -> gpu_tests.log
 #   tests-ltri    ltri-stream's GPU tests on the embedded model (installed and converted by accuracy) -> gpu_tests_ltri.log
 #   kernels       benchmarks/bench_resa_kernels.py (per-layer breakdown) -> resa_kernels.json
+#   prefill-plans benchmarks/cudnn_plan_reuse.py, three cache layouts / prefix splits -> cudnn_plan_reuse_*.json
 #   speed PROFILE PRESET [LENGTHS [TAG args...]]  longctx bench --profile PROFILE vs dense on random:PRESET
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -74,9 +75,14 @@ PY
     tail -n 15 "$out/gpu_tests.log" ;;
   kernels)
     python3 benchmarks/bench_resa_kernels.py --out "$out/resa_kernels.json" ;;
+  prefill-plans)  # cuDNN plan builds per document: the old layout, the seq-major cache, and the prefix in pieces
+    for config in "head_major 0" "seq_major 0" "seq_major 16384"; do
+      set -- $config
+      python3 benchmarks/cudnn_plan_reuse.py --layout "$1" --grain "$2" --out "$out/cudnn_plan_reuse_$1_grain$2.json"
+    done ;;
   speed)
     python3 -m longctx_cli bench --profile "$2" --model "random:$3" --lengths "${4:-32k,128k,256k}" --steps 64 \
       "${@:6}" --json "$out/${2}_speed_$3${5:-}.json" 2>&1 | grep -v "━\|Loading weights" | tail -n 20 ;;
-  *) echo "usage: $0 split | stage N | accuracy PROFILE LENGTHS [TAG args] | tests | tests-ltri | kernels | speed PROFILE PRESET [LENGTHS [TAG args]]"
+  *) echo "usage: $0 split | stage N | accuracy PROFILE LENGTHS [TAG args] | tests | tests-ltri | kernels | prefill-plans | speed PROFILE PRESET [LENGTHS [TAG args]]"
      exit 2 ;;
 esac

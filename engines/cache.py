@@ -1,8 +1,8 @@
 """A preallocated (static) KV cache that plugs into transformers through its public Cache API.
 
-Every layer owns `[B, Hkv, capacity, D]` key and value buffers, allocated on the layer's own device the first
-time it writes (so accelerate's device_map across GPUs needs nothing special). Where a token goes is decided
-by the cache, not by transformers:
+Every layer owns `[B, Hkv, capacity, D]` key and value buffers (views of seq-major storage), allocated on the
+layer's own device the first time it writes (so accelerate's device_map across GPUs needs nothing special).
+Where a token goes is decided by the cache, not by transformers:
 - prefill: the engine calls `begin_chunk(offset)`; the chunk's K/V land at `[offset, offset + T)` (host ints);
 - decode: the engine calls `begin_decode(pos, length)` with device tensors; K/V land at `pos` via
   `index_copy_`, so a decode step has static shapes and never reads a position on the host (CUDA-graph safe).
@@ -21,6 +21,11 @@ def layer_types(config) -> list[str]:
     return getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
 
 
+def seq_major_buffer(batch: int, capacity: int, heads: int, dim: int, dtype, device) -> torch.Tensor:
+    """Zeros stored [B, capacity, H, D], returned as the [B, H, capacity, D] view every kernel takes."""
+    return torch.zeros(batch, capacity, heads, dim, dtype=dtype, device=device).transpose(1, 2)
+
+
 class StaticKVLayer(CacheLayerMixin):
     is_compileable = True
 
@@ -35,10 +40,14 @@ class StaticKVLayer(CacheLayerMixin):
         batch, heads, _, k_dim = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
         # Zeros, not empty: positions past the valid length are masked, but 0 * NaN would still poison
-        # kernels that multiply masked probabilities with whole V tiles.
-        self.keys = torch.zeros(batch, heads, self.capacity, k_dim, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(batch, heads, self.capacity, value_states.shape[-1], dtype=self.dtype,
-                                  device=self.device)
+        # kernels that multiply masked probabilities with whole V tiles. Stored seq-major [B, capacity, Hkv, D]
+        # and handed out as [B, Hkv, capacity, D] views: no stride but the batch's depends on the capacity, so
+        # cuDNN's prefill plans (keyed by strides) serve every document length, not just one capacity
+        # (results/2026-11-23_h100_cudnn_plan_reuse_*.json: 3-4 s of plan builds per new capacity at 128K in the
+        # head-major layout).
+        self.keys = seq_major_buffer(batch, self.capacity, heads, k_dim, self.dtype, self.device)
+        self.values = seq_major_buffer(batch, self.capacity, heads, value_states.shape[-1], self.dtype,
+                                       self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

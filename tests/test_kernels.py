@@ -288,19 +288,27 @@ def test_chunk_sdpa_lower_right_matches_reference(D, offset, T):
     assert err <= 2 * torch_err + 1e-5, f"sdpa error {err:.2e} vs torch bf16 error {torch_err:.2e}"
 
 
+@pytest.mark.parametrize("layout", ["head-major", "seq-major"])
+@pytest.mark.parametrize("grain", [16384, 2048, 0], ids=lambda g: f"grain{g}")
 @pytest.mark.parametrize("T", [1000, 4096], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("offset", [0, 4096, 5000], ids=lambda o: f"off{o}")
 @pytest.mark.parametrize("heads", [(8, 2), (8, 8), (32, 8)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
 @pytest.mark.parametrize("D", [64, 128], ids=lambda d: f"D{d}")
 @pytest.mark.gpu
 @requires_cuda
-def test_chunk_cudnn_split_matches_reference(D, heads, offset, T):
+def test_chunk_cudnn_split_matches_reference(D, heads, offset, T, grain, layout, monkeypatch):
+    """The prefix in one piece (grain 0) or two (grain 2048 at offset 5000: [0, 4096) and [4096, 5000)), over
+    head-major buffers and over seq-major ones (the static cache's layout)."""
+    import kernels.chunk_attention.cudnn as cudnn
     from kernels.chunk_attention.cudnn import chunk_attention_cudnn
 
+    monkeypatch.setattr(cudnn, "PAST_GRAIN", grain)
     (Hq, Hkv), B, S = heads, 1, 9200
     q = torch.randn(B, Hq, T, D, device="cuda", dtype=torch.bfloat16)
     end = offset + T
     k, v = make_cache(B, Hkv, S, D, [end] * B, dtype=torch.bfloat16, device="cuda")  # NaN past `end`
+    if layout == "seq-major":
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
     out = chunk_attention_cudnn(q, k, v, offset, scale=D**-0.5)
     ref = chunk_reference(q.float(), k.float(), v.float(), offset, scale=D**-0.5, window=None)
     assert not out.isnan().any()
