@@ -47,12 +47,16 @@ def distractor_blocks(tokenizer, prefix_len: int, document: str, expected: list[
 
 
 @torch.inference_mode()
-def exact_kv(state, dense_cache, n_init: int, block: int, which: str = "all", layers: str = "all") -> None:
+def exact_kv(state, dense_cache, n_init: int, block: int, which: str = "all",
+             layers: str | tuple[int, ...] = "all") -> None:
     """Replaces the ltri cache's K/V (device rows by their positions, CPU context memory by block) with dense's;
     which: all, stored (init rows and context memory) or window (the window's rows); layers: all, global (the
-    retrieving, full-attention layers) or sliding (the model's sliding-window layers)."""
-    for layer, ref in zip(state.cache.layers, dense_cache.layers):
-        if layers != "all" and layer.retrieve != (layers == "global"):
+    retrieving, full-attention layers), sliding (the model's sliding-window layers) or layer indices."""
+    if isinstance(layers, str):
+        layers = tuple(i for i, layer in enumerate(state.cache.layers)
+                       if layers == "all" or layer.retrieve == (layers == "global"))
+    for i, (layer, ref) in enumerate(zip(state.cache.layers, dense_cache.layers)):
+        if i not in layers:
             continue
         held = layer.key_pos >= 0
         window = torch.zeros_like(held)
@@ -69,6 +73,20 @@ def exact_kv(state, dense_cache, n_init: int, block: int, which: str = "all", la
             for mine, theirs in ((layer.memory.keys, ref.keys), (layer.memory.values, ref.values)):
                 exact = theirs[0, :, span].reshape(theirs.shape[1], n, block, -1).transpose(0, 1)
                 mine.used.copy_(exact.to(mine.used.dtype).cpu())
+
+
+def layer_choice(value: str) -> str | tuple[int, ...]:
+    """--exact-layers: all, global, sliding or comma-separated layer indices (11 or 11,17)."""
+    if value in ("all", "global", "sliding"):
+        return value
+    try:
+        layers = tuple(sorted({int(x) for x in value.split(",")}))
+    except ValueError:
+        layers = ()
+    if not layers or layers[0] < 0:
+        raise argparse.ArgumentTypeError(f"expected all, global, sliding or comma-separated layer indices "
+                                         f"(11 or 11,17), got {value!r}")
+    return layers
 
 
 def _rank(scores: torch.Tensor, wanted: list[int]) -> int:
@@ -132,8 +150,9 @@ def main() -> None:
                              "rows and CPU context memory: what is left is the thinned context at decode, without the "
                              "drift of K/V computed over a thinned context), stored (init tokens and context memory "
                              "only) or window (the local window only)")
-    parser.add_argument("--exact-layers", choices=("all", "global", "sliding"), default="all",
-                        help="with --exact-kv: only the full-attention (retrieving) layers, or only the sliding ones")
+    parser.add_argument("--exact-layers", type=layer_choice, default="all",
+                        help="with --exact-kv: all, global (the full-attention, retrieving layers), sliding (the "
+                             "sliding-window ones) or comma-separated layer indices (11 or 11,17)")
     parser.add_argument("--diagnose", action="store_true",
                         help="at the question chunk, rank the needle block under several block-scoring variants")
     parser.add_argument("--out", type=Path)
@@ -142,6 +161,10 @@ def main() -> None:
     overrides = {"chunk_size": args.chunk_size}
     overrides.update(parse_override(item) for item in args.set)  # YAML values, as `longctx --set`: [5, 11]
     lm = load_model(None, device="auto", dtype="auto")
+    n_layers = lm.config.num_hidden_layers
+    if isinstance(args.exact_layers, tuple) and args.exact_layers[-1] >= n_layers:
+        parser.error(f"argument --exact-layers: layer {args.exact_layers[-1]} out of range; the model has "
+                     f"{n_layers} layers (0 to {n_layers - 1})")
     prof = resolve_profile("ltri-stream", overrides)
     cfg = prof.engine_config
     engine = ENGINES["ltri-stream"](lm, cfg, prof.run)
