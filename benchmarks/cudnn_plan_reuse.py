@@ -49,6 +49,7 @@ def main() -> None:
         print(f"{args.layout:<10} grain {args.grain:>5} length {length:>7} capacity {capacity:>7}: {s:.3f} s",
               flush=True)
     meta = {"device": torch.cuda.get_device_name(), "python": platform.python_version(), "torch": torch.__version__,
+            "cudnn": torch.backends.cudnn.version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "PYTHONPATH=$PWD python3 " + " ".join(sys.argv), "rows": rows}
     if args.out:

@@ -3,8 +3,9 @@
 PyTorch's cuDNN attention only aligns the causal diagonal top-left, so a chunk at offset > 0 is split in
 problems it handles at full speed: the chunk's queries against the prefix [0, offset) with no mask (in at
 most two pieces, see PAST_GRAIN), and against the chunk's own keys [offset, offset + T) with a square causal
-mask. The partial results are merged by their log-sum-exp. Measured on an H100 (Llama-3.1-8B shape, T 8192, offset 120K): ~600 TFLOP/s
-against ~430 for FlexAttention. Nothing past offset + T is read, so the path is NaN-safe.
+mask. The partial results are merged by their log-sum-exp. Measured on an H100 (Llama-3.1-8B shape, T 8192,
+offset 120K): ~600 TFLOP/s against ~430 for FlexAttention. Nothing past offset + T is read, so the path is
+NaN-safe.
 
 The op is `aten._scaled_dot_product_cudnn_attention`, the kernel behind SDPA's cuDNN backend, called directly
 because the public SDPA returns no log-sum-exp.
