@@ -195,7 +195,7 @@ def main() -> None:
         retrieve = engine.indexer.retrieve
 
         def diagnosed(layer, layer_idx, query, key, scaling, cache):
-            if forced_question and layer.memory.n_blocks > cfg.top_k:
+            if forced_question and layer.memory.n_blocks > cfg.top_k_for(layer_idx):
                 diagnosis[layer_idx] = _needle_ranks(engine.indexer, layer, layer_idx, query, key, scaling, cache,
                                                      forced_question)
             return retrieve(layer, layer_idx, query, key, scaling, cache)

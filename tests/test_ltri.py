@@ -375,6 +375,8 @@ def test_static_index_mode_runs(lm):
     ("threshold=1.5", "bad value for threshold: 1.5"),
     ("pick=random", "bad value for pick: 'random'; expected votes or cover"),
     ("successor_tail=200", "bad value for successor_tail: 200; expected 0 to block_size (128)"),
+    ("layer_top_k={5: 0}", "bad value for layer_top_k: {5: 0}; expected null or a mapping of layer index"),
+    ("layer_top_k=[5]", "bad value for layer_top_k: [5]"),
 ])
 def test_bad_settings_are_one_line(setting, message, capsys, monkeypatch, tmp_path):
     doc = tmp_path / "doc.txt"
@@ -553,9 +555,43 @@ def test_compensation_applies_only_to_the_listed_layers(lm, story_text, monkeypa
 @pytest.mark.parametrize("settings, message", [
     (dict(compensate_layers=[5, -1]), "bad value for compensate_layers: [5, -1]"),
     (dict(compensate_layers=[4]), "bad value for compensate_layers: [4]; expected retrieving"),
+    (dict(layer_top_k={4: 8}), "bad value for layer_top_k: {4: 8}; expected keys that are retrieving"),
 ])
 def test_compensate_layers_must_name_retrieving_layers(lm, settings, message):
     from longctx_cli.errors import ConfigError
 
     with pytest.raises((ConfigError, ValueError), match=re.escape(message)):
         make_engine(lm, "ltri-stream", **settings)
+
+
+def test_layer_top_k_gives_each_layer_its_own_retrieval_budget(lm, story_text, monkeypatch):
+    """layer_top_k={5: 30, 11: 2}: layer 5 has 30 retrieval slots (more than the blocks stored, so it holds
+    all of them), layer 11 two, layer 17 top_k's 4; each layer's rows and peak valid rows stay within its own
+    budget, the counters show them, and layer 5 still casts its votes for the layers that choose."""
+    doc, ask = story_ids(lm, story_text, 1500)
+    engine = make_engine(lm, "ltri-stream", **SMALL, layer_top_k={5: 30, 11: 2})
+    voted = set()
+    vote = engine.indexer._vote
+
+    def recorded(layer_idx, scores, cache):
+        voted.add(layer_idx)
+        return vote(layer_idx, scores, cache)
+
+    monkeypatch.setattr(engine.indexer, "_vote", recorded)
+    _, state = greedy_answer(engine, doc, ask, 2)
+    layers, block = state.cache.layers, SMALL["block_size"]
+    budget = {i: SMALL["n_init"] + k * block + SMALL["n_local"] + SMALL["chunk_size"] for i, k in
+              ((5, 30), (11, 2), (17, 4))}
+    for i in budget:
+        assert layers[i].n_retrieved == (budget[i] - SMALL["n_init"] - SMALL["n_local"] - SMALL["chunk_size"])
+        assert 0 < layers[i].peak_rows <= budget[i]
+    stored = layers[5].memory.n_blocks
+    assert 4 < stored < 30
+    assert sorted(b for b in layers[5].slots if b >= 0) == list(range(stored))
+    assert sum(b >= 0 for b in layers[11].slots) == 2 and sum(b >= 0 for b in layers[17].slots) == 4
+    assert voted == {5, 11, 17}
+    counters = engine.counters(state)
+    assert counters["ltri_retrieval_slots_per_layer"] == "L5:30, L11:2, L17:4"
+    assert counters["ltri_peak_valid_rows_per_layer"] == ", ".join(f"L{i}:{layers[i].peak_rows}" for i in budget)
+    assert counters["ltri_peak_valid_rows_all_layers"] <= sum(budget.values())
+    assert counters["ltri_device_rows_per_layer"] == layers[5].rows > layers[17].rows > layers[11].rows

@@ -3,7 +3,8 @@
 Rows of a layer's buffers [B, Hkv, rows, D] on the compute device:
 
     [0, n_init)                     the first n_init tokens (attention sinks), kept for good
-    [n_init, n_init + R)            retrieved blocks, R = top_k * block (slot s holds block `slots[s]`)
+    [n_init, n_init + R)            retrieved blocks, R = top_k * block (the layer's own count with
+                                    layer_top_k; slot s holds block `slots[s]`)
     [local0, local0 + local_cap)    the local window, oldest first: the last >= n_local tokens, then the chunk
                                     in flight, then (decode) the generated tokens
 
@@ -180,11 +181,12 @@ def layer_specs(model_config, cfg, room: int) -> list[dict]:
     """Per decoder layer, LtriLayer's settings (cfg: the engine's config): full-attention layers stream (init,
     retrieval slots, a window of cfg.n_local); the model's sliding-window layers keep only their window."""
     window = getattr(model_config.get_text_config(decoder=True), "sliding_window", None)
-    full = dict(n_init=cfg.n_init, n_retrieved=cfg.top_k * cfg.block_size, n_local=cfg.n_local, window=None,
-                retrieve=True, fp8_memory=cfg.context_memory == "fp8")
+    full = dict(n_init=cfg.n_init, n_local=cfg.n_local, window=None, retrieve=True,
+                fp8_memory=cfg.context_memory == "fp8")
     sliding = dict(n_init=0, n_retrieved=0, n_local=window, window=window, retrieve=False)
-    return [dict(sliding if t == "sliding_attention" else full, block=cfg.block_size, room=room)
-            for t in layer_types(model_config)]
+    return [dict(sliding, block=cfg.block_size, room=room) if t == "sliding_attention" else
+            dict(full, n_retrieved=cfg.top_k_for(i) * cfg.block_size, block=cfg.block_size, room=room)
+            for i, t in enumerate(layer_types(model_config))]
 
 
 class LtriCache(StaticKVCache):

@@ -96,6 +96,11 @@ class LtriConfig:
     compensate_layers: list[int] | None = None
     # Compensate the question's chunk too (its retrieval is the one decoding keeps).
     compensate_question: bool = False
+    # Ours: blocks retrieved per layer where it differs from top_k, {layer index: blocks} (null: top_k in every
+    # retrieving layer). Each layer's device rows follow its own count. The drift that costs multi-key needles
+    # enters through the first retrieving layer's thinned attention while streaming (see NOTES), so that layer
+    # may take more of a fixed total, e.g. {5: 24, 11: 6, 17: 6} holds as many rows as top_k 12 in all three.
+    layer_top_k: dict[int, int] | None = None
 
     def __post_init__(self):
         for name in ("n_init", "n_local", "block_size", "top_k", "repr_topk", "min_vectors", "max_vectors"):
@@ -124,6 +129,9 @@ class LtriConfig:
              and all(type(i) is int and i >= 0 for i in self.compensate_layers),
              "null or a list of layer indices (integers >= 0)"),
             ("compensate_question", isinstance(self.compensate_question, bool), "true or false"),
+            ("layer_top_k", self.layer_top_k is None or isinstance(self.layer_top_k, dict)
+             and all(type(i) is int and i >= 0 and type(k) is int and k >= 1 for i, k in self.layer_top_k.items()),
+             "null or a mapping of layer index (integer >= 0) to blocks (integer >= 1), e.g. {5: 24}"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -132,6 +140,14 @@ class LtriConfig:
     def compensates(self, layer_idx: int) -> bool:
         """Whether `compensate` applies to (and keeps summaries for) this layer."""
         return self.compensate != "none" and (self.compensate_layers is None or layer_idx in self.compensate_layers)
+
+    def top_k_for(self, layer_idx: int) -> int:
+        """Blocks this layer retrieves (and has retrieval slots for): layer_top_k's entry, else top_k."""
+        return (self.layer_top_k or {}).get(layer_idx, self.top_k)
+
+    def fewest_top_k(self) -> int:
+        """The smallest retrieval of any layer: below it every layer holds every stored block."""
+        return min([self.top_k, *(self.layer_top_k or {}).values()])
 
 
 def compensated(s, v, s_out, v_out):
@@ -247,6 +263,9 @@ class LtriEngine(Engine):
         if config.compensate_layers is not None and not set(config.compensate_layers) <= set(full):
             raise EngineInputError(f"bad value for compensate_layers: {list(config.compensate_layers)}; expected "
                                    f"retrieving (full-attention) layers of the model: {full}")
+        if config.layer_top_k is not None and not set(config.layer_top_k) <= set(full):
+            raise EngineInputError(f"bad value for layer_top_k: {dict(config.layer_top_k)}; expected keys that are "
+                                   f"retrieving (full-attention) layers of the model: {full}")
         heads = {}
         if config.retrieval_heads == "auto" and not lm.random_weights:
             heads = cached_heads(self.model, lm.tokenizer, lm.name, full, longctx_home())
@@ -343,8 +362,10 @@ class LtriEngine(Engine):
     def plan_notes(cls, model_config, n_tokens: int, engine_config=None) -> list[str]:
         cfg = engine_config or LtriConfig()
         full = sum(t != "sliding_attention" for t in layer_types(model_config))
+        per_layer = f" ({', '.join(f'L{i}: {k}' for i, k in sorted(cfg.layer_top_k.items()))} blocks)" \
+            if cfg.layer_top_k else ""
         return [f"ltri-stream device window per full layer: {cfg.n_init} init + {cfg.top_k} x {cfg.block_size} "
-                f"retrieved + {cfg.n_local} local tokens + the chunk ({full} full layers)",
+                f"retrieved{per_layer} + {cfg.n_local} local tokens + the chunk ({full} full layers)",
                 f"ltri-stream CPU context memory: {context_memory_bytes(model_config, cfg, n_tokens, 2) / 2**30:.2f} "
                 f"GiB ({'fp8' if cfg.context_memory == 'fp8' else 'bf16'}) for {n_tokens:,} tokens"]
 

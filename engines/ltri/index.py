@@ -181,12 +181,14 @@ class Indexer:
         return query[0][:, picked].transpose(0, 1)
 
     def retrieve(self, layer: LtriLayer, layer_idx: int, query, key, scaling, cache: LtriCache) -> None:
-        """Fills the retrieval slots with the top_k blocks for this chunk (all blocks when they fit)."""
+        """Fills the retrieval slots with the layer's top_k blocks for this chunk (all blocks when they fit).
+        A layer whose blocks all fit still scores them while another layer must choose (layer_top_k), so that
+        its votes reach the later layers as they would with one top_k."""
         n_blocks = layer.memory.n_blocks
         if n_blocks == 0:
             return
-        k = min(self.cfg.top_k, n_blocks)
-        if n_blocks <= self.cfg.top_k:
+        k = min(self.cfg.top_k_for(layer_idx), n_blocks)
+        if n_blocks <= self.cfg.fewest_top_k():
             wanted = list(range(n_blocks))
         else:
             qvec = self._query_vectors(layer, layer_idx, query, key, scaling)
@@ -195,7 +197,10 @@ class Indexer:
             qw = (qvec.float() * w[None, :, None]).view(qvec.shape[0], hkv, -1, qvec.shape[-1]).sum(dim=2)
             scores, where = layer.index.block_scores(qw, n_blocks)
             scores = self._vote(layer_idx, scores, cache)
-            wanted = self._with_successors(scores, where, k, layer.block, cache)
+            if n_blocks <= k:
+                wanted = list(range(n_blocks))
+            else:
+                wanted = self._with_successors(scores, where, k, layer.block, cache)
         cache.stats["host_to_device_bytes"] += layer.load_blocks(wanted)
         cache.stats["blocks_retrieved"] += k
         cache.stats["retrievals"] += 1
@@ -238,15 +243,24 @@ class Indexer:
         return total
 
     def counters(self, cache: LtriCache) -> dict:
-        full = [layer for layer in cache.layers if layer.retrieve and layer.is_initialized]
+        ids = [i for i, layer in enumerate(cache.layers) if layer.retrieve and layer.is_initialized]
+        full = [cache.layers[i] for i in ids]
         stats = cache.stats
         if not full:
             return {}
         vectors = sum(layer.index.n for layer in full)
         blocks = stats["blocks_indexed"]
+
+        def per_layer(values) -> str:
+            return ", ".join(f"L{i}:{v}" for i, v in zip(ids, values))
         out = {
-            "ltri_device_rows_per_layer": full[0].rows,
+            "ltri_device_rows_per_layer": max(layer.rows for layer in full),
             "ltri_peak_valid_rows": max(layer.peak_rows for layer in full),
+            # With layer_top_k the retrieving layers' budgets differ: the two above are the largest layer's, these
+            # each layer's (each within its own n_init + slots + window + chunk) and the total over them
+            "ltri_retrieval_slots_per_layer": per_layer(layer.n_retrieved // layer.block for layer in full),
+            "ltri_peak_valid_rows_per_layer": per_layer(layer.peak_rows for layer in full),
+            "ltri_peak_valid_rows_all_layers": sum(layer.peak_rows for layer in full),
             "ltri_cpu_blocks": full[0].memory.n_blocks,
             "ltri_cpu_memory_bytes": sum(layer.memory.nbytes() for layer in full),
             "ltri_index_vectors": vectors,
