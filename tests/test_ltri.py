@@ -595,3 +595,36 @@ def test_layer_top_k_gives_each_layer_its_own_retrieval_budget(lm, story_text, m
     assert counters["ltri_peak_valid_rows_per_layer"] == ", ".join(f"L{i}:{layers[i].peak_rows}" for i in budget)
     assert counters["ltri_peak_valid_rows_all_layers"] <= sum(budget.values())
     assert counters["ltri_device_rows_per_layer"] == layers[5].rows > layers[17].rows > layers[11].rows
+
+
+def test_exact_compensation_equals_attention_over_every_stored_key():
+    """compensate: exact: the rows' softmax merged with the stored blocks they leave out (loaded from context
+    memory two blocks, the slot count, at a time) equals one causal softmax over the init tokens, every stored
+    block and the window."""
+    from types import SimpleNamespace
+
+    from engines.ltri.cache import LtriLayer
+    from engines.ltri.engine import _softmax_attention
+
+    torch.manual_seed(42)
+    hkv, g, d, block, t = 2, 2, 8, 4, 3
+    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, stats={"host_to_device_bytes": 0})
+    layer = LtriLayer(owner, n_init=4, n_retrieved=2 * block, n_local=8, block=block, room=8, window=None,
+                      retrieve=True)
+    layer.lazy_initialization(torch.zeros(1, hkv, 1, d), torch.zeros(1, hkv, 1, d))
+    n = 4 + 5 * block + 6  # init, 5 stored blocks, 6 window tokens
+    keys, values = torch.randn(hkv, n, d), torch.randn(hkv, n, d)
+    layer._write(0, keys[None, :, :4], values[None, :, :4], 0)
+    layer.memory.add(keys[:, 4:24], values[:, 4:24])
+    layer.local_start, layer.local_len = 24, 6
+    layer._write(layer.local0, keys[None, :, 24:], values[None, :, 24:], 24)
+    layer.load_blocks([1, 3])  # blocks 0, 2 and 4 left out: two batches
+    query = torch.randn(1, hkv * g, t, d)  # the window's last t tokens
+    out, _ = _softmax_attention(layer, query, layer.keys, layer.values, 0.5, n - t, t, "exact")
+    s = torch.einsum("hgtd,hnd->hgtn", query[0].view(hkv, g, t, d), keys) * 0.5
+    s = s.masked_fill(torch.arange(n)[None, :] > torch.arange(n - t, n)[:, None], float("-inf"))
+    want = torch.softmax(s, dim=-1) @ values[:, None]
+    torch.testing.assert_close(out[0].view(hkv, g, t, d), want)
+    assert owner.stats["host_to_device_bytes"] == 3 * 2 * hkv * block * d * 4  # the 3 blocks' K and V, fp32
+    rows_only, _ = _softmax_attention(layer, query, layer.keys, layer.values, 0.5, n - t, t, "none")
+    assert (rows_only - out).abs().max() > 1e-3

@@ -85,7 +85,10 @@ class LtriConfig:
     # on the embedded model.
     # A block's mass sum_j exp(q.k_j): "mean" takes block_size x exp(q.mean key) (Jensen: an underestimate), "moment" adds the keys' per-dimension variance,
     # block_size x exp(q.mean + q^2.var / 2) (exact for Gaussian keys), capped at the block's upper bound from its
-    # keys' max and min (left_out_log_mass).
+    # keys' max and min (left_out_log_mass). "exact" attends the left-out blocks' own keys and values, loaded
+    # from context memory a slot-sized batch at a time and merged by log-sum-exp: exact prefill attention with
+    # the device rows still bounded (one batch more, transiently), at the cost of reading the layer's whole
+    # context memory twice per chunk (O(n^2 / chunk) copies: for compensate_layers such as [5]).
     compensate: str = "none"
     # Tokens per summary of `compensate` (a divisor of block_size; null: one summary a block). Finer runs may
     # estimate a block's mass better, at more summary memory.
@@ -122,7 +125,7 @@ class LtriConfig:
             ("n_local", self.n_local % self.block_size == 0, f"a multiple of block_size ({self.block_size})"),
             ("successor_tail", 0 <= self.successor_tail <= self.block_size, f"0 to block_size ({self.block_size})"),
             ("compression", self.compression is None or self.compression >= 1, "null or a number >= 1"),
-            ("compensate", self.compensate in ("none", "mean", "moment"), "none, mean or moment"),
+            ("compensate", self.compensate in ("none", "mean", "moment", "exact"), "none, mean, moment or exact"),
             ("summary_tokens", self.summary_tokens is None or 1 <= self.summary_tokens <= self.block_size
              and self.block_size % self.summary_tokens == 0, f"null or a divisor of block_size ({self.block_size})"),
             ("compensate_layers", self.compensate_layers is None or isinstance(self.compensate_layers, (list, tuple))
@@ -141,6 +144,10 @@ class LtriConfig:
         """Whether `compensate` applies to (and keeps summaries for) this layer."""
         return self.compensate != "none" and (self.compensate_layers is None or layer_idx in self.compensate_layers)
 
+    def summarises(self, layer_idx: int) -> bool:
+        """Whether this layer keeps block summaries (mean and moment estimate from them; exact needs none)."""
+        return self.compensate in ("mean", "moment") and self.compensates(layer_idx)
+
     def top_k_for(self, layer_idx: int) -> int:
         """Blocks this layer retrieves (and has retrieval slots for): layer_top_k's entry, else top_k."""
         return (self.layer_top_k or {}).get(layer_idx, self.top_k)
@@ -156,6 +163,38 @@ def compensated(s, v, s_out, v_out):
     top = torch.maximum(s.amax(-1, keepdim=True), s_out.amax(-1, keepdim=True))
     e, e_out = torch.exp(s - top), torch.exp(s_out - top)
     return (torch.matmul(e, v) + torch.matmul(e_out, v_out)) / (e.sum(-1, keepdim=True) + e_out.sum(-1, keepdim=True))
+
+
+def merged(s, v, parts):
+    """Attention over rows (scores s [..., t, W], values v [..., W, D]) and further key sets (parts: pairs of
+    scores [..., t, Wi] and values [..., Wi, D]), one softmax over all of them, merged online -> [..., t, D]."""
+    top = s.amax(-1, keepdim=True)
+    e = torch.exp(s - top)
+    mass, acc = e.sum(-1, keepdim=True), torch.matmul(e, v)
+    for s_i, v_i in parts:
+        new = torch.maximum(top, s_i.amax(-1, keepdim=True))
+        old, e_i = torch.exp(top - new), torch.exp(s_i - new)
+        mass, acc, top = mass * old + e_i.sum(-1, keepdim=True), acc * old + torch.matmul(e_i, v_i), new
+    return acc / mass
+
+
+def _stored_parts(layer: LtriLayer, q, scaling):
+    """compensate: exact: scores [B, Hkv, G, t, n * block] and values [1, Hkv, 1, n * block, D] of the stored
+    blocks the rows do not hold, n at most the layer's slot count per batch (q [B, Hkv, G, t, D]). The bytes
+    loaded count in the cache's host_to_device_bytes."""
+    held = {b for b in layer.slots if b >= 0}
+    ids = [b for b in range(layer.memory.n_blocks) if b not in held]
+    per, block = max(1, layer.n_retrieved // layer.block), layer.block
+    hkv, dim = layer.keys.shape[1], layer.keys.shape[3]
+    for lo in range(0, len(ids), per):
+        batch = ids[lo:lo + per]
+        k = torch.empty(hkv, len(batch) * block, dim, dtype=layer.dtype, device=q.device)
+        v = torch.empty_like(k)
+        for j, b in enumerate(batch):
+            layer.owner.stats["host_to_device_bytes"] += layer.memory.load(b, k[:, j * block:(j + 1) * block],
+                                                                           v[:, j * block:(j + 1) * block])
+        k, v = k.float()[None, :, None], v.float()[None, :, None]
+        yield torch.matmul(q, k.transpose(-1, -2)) * scaling, v
 
 
 def _left_out(layer: LtriLayer) -> tuple[torch.Tensor, ...] | None:
@@ -199,7 +238,7 @@ def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_o
     own0 = width - n_own
     out = torch.empty_like(query)
     own = torch.zeros(n_own, n_own, dtype=torch.float32, device=query.device)
-    left_out = _left_out(layer) if compensate != "none" else None
+    left_out = _left_out(layer) if compensate in ("mean", "moment") else None
     for lo in range(0, T, _QUERY_SLICE):
         t = min(_QUERY_SLICE, T - lo)
         q = query[:, :, lo:lo + t].float().view(B, hkv, Hq // hkv, t, D)
@@ -207,7 +246,9 @@ def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_o
         q_pos = torch.arange(offset + lo, offset + lo + t, device=query.device)[:, None]
         s = s.masked_fill(~((kp >= 0) & (kp <= q_pos)), float("-inf"))
         p = torch.softmax(s, dim=-1)
-        if left_out is None:
+        if compensate == "exact":
+            o = merged(s, v[:, :, None], _stored_parts(layer, q, scaling))
+        elif left_out is None:
             o = torch.matmul(p, v[:, :, None])
         else:  # each left-out run: its estimated log-mass, its mean value
             s_out = left_out_log_mass(q, left_out, layer.summary_tokens, scaling, compensate)
@@ -354,7 +395,7 @@ class LtriEngine(Engine):
         # over (the buffer doubles), in the layers it applies to
         per_run = 5 * per_token_layer * 4 // dtype_bytes
         runs = n_tokens // (cfg.summary_tokens or cfg.block_size)
-        summarised = sum(t != "sliding_attention" and cfg.compensates(i) for i, t in enumerate(kinds))
+        summarised = sum(t != "sliding_attention" and cfg.summarises(i) for i, t in enumerate(kinds))
         summaries = summarised * runs * per_run
         return rows * per_token_layer + index + summaries
 

@@ -105,7 +105,7 @@ class Indexer:
             self.flush(cache)  # a chunk longer than the window evicts blocks it completed itself
         keys, values, votes = layer.take_oldest(n * layer.block)
         cache.stats["device_to_host_bytes"] += layer.memory.add(keys, values)
-        if self.cfg.compensates(layer_idx):
+        if self.cfg.summarises(layer_idx):
             layer.add_summaries(keys, values, self.cfg.summary_tokens)
         if self.cfg.index == "dynamic" and self.cfg.pick == "cover":
             # Picked at the next flush, with every other layer's evicted blocks: the farthest-point steps are
