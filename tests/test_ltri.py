@@ -396,7 +396,7 @@ def test_chunk_size_must_be_whole_blocks(capsys, monkeypatch, tmp_path):
 
 
 @gpu
-@pytest.mark.parametrize("compensate", ["none", "moment"])
+@pytest.mark.parametrize("compensate", ["none", "moment", "exact"])
 def test_gpu_graph_decode_equals_cpu_reference(compensate):
     from longctx_cli.models import load_model
 

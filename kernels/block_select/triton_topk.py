@@ -5,11 +5,10 @@ order-preserving integer keys, held in registers as two power-of-two parts (k is
 `length`) by a binary search between the smallest and largest finite key that stops once exactly k blocks are
 at or above the midpoint (at most 32 steps), then writes the blocks scoring above it, plus as many ties as needed
 (lowest index first), in ascending order, and pads with -1. Past the launcher's resident limit,
-`_block_topk_kernel` does the same in passes over the scores (which stay in L2). Measured on an H100 and not
-kept: a radix select (four tl.histogram passes, 1.8x slower), a search of 2 bits a step (three counts a step,
-slower), the same three counts packed into one
-int64 reduction (select 31.1 -> 31.5 us at 8,192 blocks, 65.2 -> 69.4 at 16,384), the softmax pooling fused
-into this kernel (slower).
+`_block_topk_kernel` does the same in passes over the scores (which stay in L2). Measured on an H100 and not kept: a
+radix select (four tl.histogram passes, 1.8x slower), a search of 2 bits a step (three counts a step, slower), the
+same three counts packed into one int64 reduction (select 31.1 -> 31.5 us at 8,192 blocks, 65.2 -> 69.4 at 16,384),
+the softmax pooling fused into this kernel (slower).
 """
 
 from __future__ import annotations
