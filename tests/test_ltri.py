@@ -552,7 +552,24 @@ def test_compensation_applies_only_to_the_listed_layers(lm, story_text, monkeypa
     assert state.cache.layers[11].summaries is None and state.cache.layers[17].summaries is None
 
 
+def test_compensate_layers_first_is_the_first_retrieving_layer(lm):
+    """compensate_layers: first resolves to the model's first retrieving layer (5 in the embedded model), in the
+    engine and in its memory plan; an unresolved config refuses to answer per layer."""
+    from engines.ltri.engine import LtriConfig, LtriEngine
+
+    engine = make_engine(lm, "ltri-stream", compensate="moment", compensate_layers="first")
+    assert engine.config.compensate_layers == [5] and engine.indexer.cfg.compensate_layers == [5]
+    raw = LtriConfig(compensate="moment", compensate_layers="first")
+    plan = LtriEngine.memory_plan(lm.model.config, 8192, 2, engine_config=raw)
+    assert plan == LtriEngine.memory_plan(lm.model.config, 8192, 2, engine_config=LtriConfig(
+        compensate="moment", compensate_layers=[5]))
+    assert plan < LtriEngine.memory_plan(lm.model.config, 8192, 2, engine_config=LtriConfig(compensate="moment"))
+    with pytest.raises(ValueError, match="resolved by for_layers"):
+        raw.compensates(5)
+
+
 @pytest.mark.parametrize("settings, message", [
+    (dict(compensate_layers="last"), "bad value for compensate_layers"),
     (dict(compensate_layers=[5, -1]), "bad value for compensate_layers: [5, -1]"),
     (dict(compensate_layers=[4]), "bad value for compensate_layers: [4]; expected retrieving"),
     (dict(layer_top_k={4: 8}), "bad value for layer_top_k: {4: 8}; expected keys that are retrieving"),

@@ -25,7 +25,7 @@ exact, holding only their window.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 import torch
@@ -95,8 +95,9 @@ class LtriConfig:
     summary_tokens: int | None = None
     # Layers `compensate` applies to (null: every retrieving layer). The drift enters through the first
     # retrieving layer, whose inputs are still exact (so its summaries are too); layers not listed attend to
-    # their rows only and store no summaries.
-    compensate_layers: list[int] | None = None
+    # their rows only and store no summaries. "first": the model's first retrieving layer (5 in the embedded
+    # model, 0 in Llama's).
+    compensate_layers: list[int] | str | None = None
     # Compensate the question's chunk too (its retrieval is the one decoding keeps).
     compensate_question: bool = False
     # Ours: blocks retrieved per layer where it differs from top_k, {layer index: blocks} (null: top_k in every
@@ -128,9 +129,10 @@ class LtriConfig:
             ("compensate", self.compensate in ("none", "mean", "moment", "exact"), "none, mean, moment or exact"),
             ("summary_tokens", self.summary_tokens is None or 1 <= self.summary_tokens <= self.block_size
              and self.block_size % self.summary_tokens == 0, f"null or a divisor of block_size ({self.block_size})"),
-            ("compensate_layers", self.compensate_layers is None or isinstance(self.compensate_layers, (list, tuple))
+            ("compensate_layers", self.compensate_layers is None or self.compensate_layers == "first"
+             or isinstance(self.compensate_layers, (list, tuple))
              and all(type(i) is int and i >= 0 for i in self.compensate_layers),
-             "null or a list of layer indices (integers >= 0)"),
+             "null, first or a list of layer indices (integers >= 0)"),
             ("compensate_question", isinstance(self.compensate_question, bool), "true or false"),
             ("layer_top_k", self.layer_top_k is None or isinstance(self.layer_top_k, dict)
              and all(type(i) is int and i >= 0 and type(k) is int and k >= 1 for i, k in self.layer_top_k.items()),
@@ -140,8 +142,16 @@ class LtriConfig:
             if not ok:
                 raise ValueError(f"bad value for {name}: {getattr(self, name)!r}; expected {expected}")
 
+    def for_layers(self, full: list[int]) -> LtriConfig:
+        """This config with compensate_layers "first" resolved against the model's retrieving layers `full`."""
+        if self.compensate_layers == "first":
+            return replace(self, compensate_layers=full[:1])
+        return self
+
     def compensates(self, layer_idx: int) -> bool:
-        """Whether `compensate` applies to (and keeps summaries for) this layer."""
+        """Whether `compensate` applies to (and keeps summaries for) this layer (see for_layers)."""
+        if isinstance(self.compensate_layers, str):
+            raise ValueError(f"compensate_layers {self.compensate_layers!r} is resolved by for_layers first")
         return self.compensate != "none" and (self.compensate_layers is None or layer_idx in self.compensate_layers)
 
     def summarises(self, layer_idx: int) -> bool:
@@ -299,8 +309,9 @@ class LtriEngine(Engine):
     Config = LtriConfig
 
     def __init__(self, lm, config, run):
+        full = [i for i, t in enumerate(layer_types(lm.model.config)) if t != "sliding_attention"]
+        config = config.for_layers(full)
         super().__init__(lm, config, run)
-        full = [i for i, t in enumerate(layer_types(self.model.config)) if t != "sliding_attention"]
         if config.compensate_layers is not None and not set(config.compensate_layers) <= set(full):
             raise EngineInputError(f"bad value for compensate_layers: {list(config.compensate_layers)}; expected "
                                    f"retrieving (full-attention) layers of the model: {full}")
@@ -385,10 +396,10 @@ class LtriEngine(Engine):
         """Device bytes: every layer's bounded rows (K and V; room for a 2048-token chunk and 2048 question and
         answer tokens), independent of the document's length, plus index vectors at max_vectors per block (and
         the block summaries of `compensate`)."""
-        cfg = engine_config or LtriConfig()
-        per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
-        rows = sum(LtriLayer.rows_for(**spec) for spec in layer_specs(model_config, cfg, 4096))
         kinds = layer_types(model_config)
+        cfg = (engine_config or LtriConfig()).for_layers([i for i, t in enumerate(kinds) if t != "sliding_attention"])
+        per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(kinds)
+        rows = sum(LtriLayer.rows_for(**spec) for spec in layer_specs(model_config, cfg, 4096))
         full = sum(t != "sliding_attention" for t in kinds)
         index = full * (n_tokens // cfg.block_size * cfg.max_vectors) * (per_token_layer // 2 + 8)
         # compensate: five vectors per run of summary_tokens and KV head in fp32 (LtriLayer.summaries), twice
