@@ -614,14 +614,17 @@ def test_layer_top_k_gives_each_layer_its_own_retrieval_budget(lm, story_text, m
     assert counters["ltri_device_rows_per_layer"] == layers[5].rows > layers[17].rows > layers[11].rows
 
 
-def test_exact_compensation_equals_attention_over_every_stored_key():
+def test_exact_compensation_equals_attention_over_every_stored_key(monkeypatch):
     """compensate: exact: the rows' softmax merged with the stored blocks they leave out (loaded from context
     memory two blocks, the slot count, at a time) equals one causal softmax over the init tokens, every stored
-    block and the window."""
+    block and the window; with the queries in two slices, each block is still loaded once."""
     from types import SimpleNamespace
 
+    import engines.ltri.engine as ltri_engine
     from engines.ltri.cache import LtriLayer
     from engines.ltri.engine import _softmax_attention
+
+    monkeypatch.setattr(ltri_engine, "_QUERY_SLICE", 2)  # the 3 queries in slices of 2 and 1
 
     torch.manual_seed(42)
     hkv, g, d, block, t = 2, 2, 8, 4, 3
@@ -642,6 +645,6 @@ def test_exact_compensation_equals_attention_over_every_stored_key():
     s = s.masked_fill(torch.arange(n)[None, :] > torch.arange(n - t, n)[:, None], float("-inf"))
     want = torch.softmax(s, dim=-1) @ values[:, None]
     torch.testing.assert_close(out[0].view(hkv, g, t, d), want)
-    assert owner.stats["host_to_device_bytes"] == 3 * 2 * hkv * block * d * 4  # the 3 blocks' K and V, fp32
+    assert owner.stats["host_to_device_bytes"] == 3 * 2 * hkv * block * d * 4  # the 3 blocks' K and V, once
     rows_only, _ = _softmax_attention(layer, query, layer.keys, layer.values, 0.5, n - t, t, "none")
     assert (rows_only - out).abs().max() > 1e-3

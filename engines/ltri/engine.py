@@ -88,7 +88,7 @@ class LtriConfig:
     # keys' max and min (left_out_log_mass). "exact" attends the left-out blocks' own keys and values, loaded
     # from context memory a slot-sized batch at a time and merged by log-sum-exp: exact prefill attention with
     # the device rows still bounded (one batch more, transiently), at the cost of reading the layer's whole
-    # context memory twice per chunk (O(n^2 / chunk) copies: for compensate_layers such as [5]).
+    # context memory once per chunk (O(n^2 / chunk) copies: for compensate_layers such as first).
     compensate: str = "none"
     # Tokens per summary of `compensate` (a divisor of block_size; null: one summary a block). Finer runs may
     # estimate a block's mass better, at more summary memory.
@@ -175,36 +175,36 @@ def compensated(s, v, s_out, v_out):
     return (torch.matmul(e, v) + torch.matmul(e_out, v_out)) / (e.sum(-1, keepdim=True) + e_out.sum(-1, keepdim=True))
 
 
-def merged(s, v, parts):
-    """Attention over rows (scores s [..., t, W], values v [..., W, D]) and further key sets (parts: pairs of
-    scores [..., t, Wi] and values [..., Wi, D]), one softmax over all of them, merged online -> [..., t, D]."""
+def _softmax_state(s, v):
+    """Online softmax over scores s [..., t, W] and values v [..., W, D]: (running max, mass, weighted values)."""
     top = s.amax(-1, keepdim=True)
     e = torch.exp(s - top)
-    mass, acc = e.sum(-1, keepdim=True), torch.matmul(e, v)
-    for s_i, v_i in parts:
-        new = torch.maximum(top, s_i.amax(-1, keepdim=True))
-        old, e_i = torch.exp(top - new), torch.exp(s_i - new)
-        mass, acc, top = mass * old + e_i.sum(-1, keepdim=True), acc * old + torch.matmul(e_i, v_i), new
-    return acc / mass
+    return top, e.sum(-1, keepdim=True), torch.matmul(e, v)
 
 
-def _stored_parts(layer: LtriLayer, q, scaling):
-    """compensate: exact: scores [B, Hkv, G, t, n * block] and values [1, Hkv, 1, n * block, D] of the stored
-    blocks the rows do not hold, n at most the layer's slot count per batch (q [B, Hkv, G, t, D]). The bytes
-    loaded count in the cache's host_to_device_bytes."""
+def _softmax_add(state, s, v):
+    """The state of _softmax_state with further keys (scores s [..., t, Wi], values v [..., Wi, D]) merged in."""
+    top, mass, acc = state
+    new = torch.maximum(top, s.amax(-1, keepdim=True))
+    old, e = torch.exp(top - new), torch.exp(s - new)
+    return new, mass * old + e.sum(-1, keepdim=True), acc * old + torch.matmul(e, v)
+
+
+def _stored_batches(layer: LtriLayer, device):
+    """compensate: exact: K and V [1, Hkv, 1, n * block, D] (fp32) of the stored blocks the rows do not hold, n
+    at most the layer's slot count per batch. The bytes loaded count in the cache's host_to_device_bytes."""
     held = {b for b in layer.slots if b >= 0}
     ids = [b for b in range(layer.memory.n_blocks) if b not in held]
     per, block = max(1, layer.n_retrieved // layer.block), layer.block
     hkv, dim = layer.keys.shape[1], layer.keys.shape[3]
     for lo in range(0, len(ids), per):
         batch = ids[lo:lo + per]
-        k = torch.empty(hkv, len(batch) * block, dim, dtype=layer.dtype, device=q.device)
+        k = torch.empty(hkv, len(batch) * block, dim, dtype=layer.dtype, device=device)
         v = torch.empty_like(k)
         for j, b in enumerate(batch):
             layer.owner.stats["host_to_device_bytes"] += layer.memory.load(b, k[:, j * block:(j + 1) * block],
                                                                            v[:, j * block:(j + 1) * block])
-        k, v = k.float()[None, :, None], v.float()[None, :, None]
-        yield torch.matmul(q, k.transpose(-1, -2)) * scaling, v
+        yield k.float()[None, :, None], v.float()[None, :, None]
 
 
 def _left_out(layer: LtriLayer) -> tuple[torch.Tensor, ...] | None:
@@ -249,6 +249,7 @@ def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_o
     out = torch.empty_like(query)
     own = torch.zeros(n_own, n_own, dtype=torch.float32, device=query.device)
     left_out = _left_out(layer) if compensate in ("mean", "moment") else None
+    exact = []  # compensate: exact: per query slice (lo, t, q, online-softmax state over the rows)
     for lo in range(0, T, _QUERY_SLICE):
         t = min(_QUERY_SLICE, T - lo)
         q = query[:, :, lo:lo + t].float().view(B, hkv, Hq // hkv, t, D)
@@ -256,19 +257,25 @@ def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_o
         q_pos = torch.arange(offset + lo, offset + lo + t, device=query.device)[:, None]
         s = s.masked_fill(~((kp >= 0) & (kp <= q_pos)), float("-inf"))
         p = torch.softmax(s, dim=-1)
-        if compensate == "exact":
-            o = merged(s, v[:, :, None], _stored_parts(layer, q, scaling))
+        if compensate == "exact":  # finished below, once every stored block has been merged in
+            exact.append((lo, t, q, _softmax_state(s, v[:, :, None])))
         elif left_out is None:
-            o = torch.matmul(p, v[:, :, None])
+            out[:, :, lo:lo + t] = torch.matmul(p, v[:, :, None]).view(B, Hq, t, D).to(query.dtype)
         else:  # each left-out run: its estimated log-mass, its mean value
             s_out = left_out_log_mass(q, left_out, layer.summary_tokens, scaling, compensate)
-            o = compensated(s, v[:, :, None], s_out, left_out[1])
-        out[:, :, lo:lo + t] = o.view(B, Hq, t, D).to(query.dtype)
+            out[:, :, lo:lo + t] = compensated(s, v[:, :, None], s_out, left_out[1]).view(B, Hq, t, D).to(query.dtype)
         heads = p.sum(dim=(0, 1, 2))  # [t, width]
         layer.votes[:width] += heads.sum(dim=0)
         first = max(lo, T - n_own)
         if first < lo + t:
             own[first - (T - n_own):lo + t - (T - n_own)] = heads[first - lo:, own0:]
+    if exact:  # each stored block is loaded once for all the query slices
+        states = [state for *_, state in exact]
+        for k_b, v_b in _stored_batches(layer, query.device):
+            states = [_softmax_add(state, torch.matmul(q, k_b.transpose(-1, -2)) * scaling, v_b)
+                      for state, (_, _, q, _) in zip(states, exact)]
+        for (lo, t, _, _), (_, mass, acc) in zip(exact, states):
+            out[:, :, lo:lo + t] = (acc / mass).view(B, Hq, t, D).to(query.dtype)
     return out, own
 
 
