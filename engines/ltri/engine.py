@@ -404,16 +404,16 @@ class LtriEngine(Engine):
         answer tokens), independent of the document's length, plus index vectors at max_vectors per block (and
         the block summaries of `compensate`)."""
         kinds = layer_types(model_config)
-        cfg = (engine_config or LtriConfig()).for_layers([i for i, t in enumerate(kinds) if t != "sliding_attention"])
+        full = [i for i, t in enumerate(kinds) if t != "sliding_attention"]
+        cfg = (engine_config or LtriConfig()).for_layers(full)
         per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(kinds)
         rows = sum(LtriLayer.rows_for(**spec) for spec in layer_specs(model_config, cfg, 4096))
-        full = sum(t != "sliding_attention" for t in kinds)
-        index = full * (n_tokens // cfg.block_size * cfg.max_vectors) * (per_token_layer // 2 + 8)
+        index = len(full) * (n_tokens // cfg.block_size * cfg.max_vectors) * (per_token_layer // 2 + 8)
         # compensate: five vectors per run of summary_tokens and KV head in fp32 (LtriLayer.summaries), twice
         # over (the buffer doubles), in the layers it applies to
         per_run = 5 * per_token_layer * 4 // dtype_bytes
         runs = n_tokens // (cfg.summary_tokens or cfg.block_size)
-        summarised = sum(t != "sliding_attention" and cfg.summarises(i) for i, t in enumerate(kinds))
+        summarised = sum(cfg.summarises(i) for i in full)
         summaries = summarised * runs * per_run
         return rows * per_token_layer + index + summaries
 
