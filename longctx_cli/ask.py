@@ -1,4 +1,8 @@
-"""`longctx ask`: documents in, one streamed answer and one report per document out."""
+"""`longctx ask`: documents in, one streamed answer and one report per (document, question) out.
+
+`check_ask` refuses what can be refused before anything heavy loads (inputs, questions); `run_ask` then loads the
+tokenizer, the model and the engine once and answers every question about every document.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +10,15 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from engines import ENGINES
-from engines.decoding import Sampler
-from engines.base import EngineInputError
-from longctx_cli.errors import ConfigError, ContextTooLongError, InputError, OutOfMemoryError, is_out_of_memory
-from longctx_cli.inputs import Document, collect_documents, iter_text, tokenize_stream
-from longctx_cli.models import load_config, load_model, load_tokenizer, max_context
-from longctx_cli.prompt import AnswerText, build_layout
-from longctx_cli.report import Report, memory_snapshot, render, reset_peaks
+from longctx_cli.errors import (EXIT_PARTIAL, ConfigError, ContextTooLongError, InputError, LongctxError, ModelError,
+                                OutOfMemoryError, is_out_of_memory, message)
+from longctx_cli.inputs import Document, collect_documents, iter_text, sniff, tokenize_stream
+from longctx_cli.report import Report
 
 err = Console(stderr=True)
 
@@ -28,7 +26,7 @@ err = Console(stderr=True)
 @dataclass
 class AskOptions:
     paths: list[str]
-    question: str
+    questions: list[str]
     profile: object  # profiles.Profile
     model: str | None = None
     glob: str = "*.txt,*.md"
@@ -37,29 +35,67 @@ class AskOptions:
     encoding_errors: str = "strict"
     layout: str = "auto"
     quiet: bool = False
+    documents: list[Document] = field(default_factory=list)  # filled by check_ask
+
+
+class StdoutClosed(Exception):
+    """The reader of stdout went away (`| head`): stop quietly, the report still goes to stderr."""
+
+
+def check_ask(opts: AskOptions) -> None:
+    """Everything about the inputs that needs no model: paths exist, files are not empty, binary or mis-encoded
+    at their start. A document found bad is kept with its error (a multi-document run reports it and goes on);
+    when every document is bad, the first error is raised here, before any weights load."""
+    docs = collect_documents(opts.paths, glob=opts.glob, strict=False)
+    for doc in docs:
+        doc.error = sniff(doc, opts.encoding_errors)
+    bad = [d for d in docs if d.error is not None]
+    if bad and (len(bad) == len(docs) or opts.concat):
+        raise bad[0].error
+    opts.documents = docs
 
 
 class Session:
-    """Lazily loaded tokenizer, model and engine, shared by every document of a run."""
+    """Tokenizer, model and engine, loaded once and shared by every document and question of a run."""
 
     def __init__(self, opts: AskOptions):
+        from longctx_cli.models import check_dtype, load_config, load_tokenizer, max_context, quiet_libraries
+
         self.opts, self.run = opts, opts.profile.run
-        self.say = (lambda msg: None) if opts.quiet else (lambda msg: err.print(f"[dim]{msg}...[/]"))
+        if opts.quiet or not err.is_terminal:
+            quiet_libraries()
+        self.say = (lambda msg: None) if opts.quiet else (lambda msg: err.print(f"[dim]{escape(msg)}...[/]"))
+        config = load_config(opts.model, progress=self.say)
+        check_dtype(config, self.run.dtype, self.run.device)
         self.tokenizer = load_tokenizer(opts.model, progress=self.say)
-        self.max_context = max_context(load_config(opts.model))
+        self.max_context = max_context(config)
         self.lm = None
         self.engine = None
+        self.load_s = 0.0
 
     def ensure_engine(self):
         if self.engine is None:
+            from engines import ENGINES
+            from engines.base import EngineInputError
+            from longctx_cli.home import longctx_home
+            from longctx_cli.models import load_model
+
             self.lm = load_model(self.opts.model, device=self.run.device, dtype=self.run.dtype,
                                  tokenizer=self.tokenizer, progress=self.say)
+            self.load_s = self.lm.load_s
             cls = ENGINES[self.opts.profile.engine]
-            self.engine = cls(self.lm, self.opts.profile.engine_config, self.run)
+            try:
+                self.engine = cls(self.lm, self.opts.profile.engine_config, self.run, home=longctx_home())
+            except EngineInputError as exc:
+                raise ConfigError(f"profile {self.opts.profile.name}: {exc}") from None
+            except NotImplementedError as exc:
+                raise ModelError(f"{exc} (model {self.lm.name})") from None
         return self.engine
 
 
-def _document_ids(session: Session, docs: list[Document], layout) -> torch.Tensor:
+def _document_ids(session: Session, docs: list[Document], layout):
+    import torch
+
     pieces = itertools.chain.from_iterable(
         itertools.chain(iter_text(d, encoding_errors=session.opts.encoding_errors), ["\n\n"]) if i < len(docs) - 1
         else iter_text(d, encoding_errors=session.opts.encoding_errors) for i, d in enumerate(docs))
@@ -67,37 +103,70 @@ def _document_ids(session: Session, docs: list[Document], layout) -> torch.Tenso
     return torch.cat([layout.prefix_ids.to(ids.dtype), ids])
 
 
-def _check_length(n_doc: int, layout, run, max_context: int, engine: str, name: str) -> None:
-    need = n_doc + layout.question_ids.numel() + run.max_new_tokens
-    if max_context and need > max_context:
+def _check_length(n_doc: int, n_question: int, run, max_context: int, name: str) -> None:
+    if not max_context or n_doc + n_question + run.max_new_tokens <= max_context:
+        return
+    if n_question + run.max_new_tokens >= max_context:
         raise ContextTooLongError(
-            f"{name}: prompt of {n_doc + layout.question_ids.numel():,} tokens + {run.max_new_tokens} new tokens is "
-            f"longer than the model's maximum context of {max_context:,} tokens for engine '{engine}'; "
-            "shorten the document, or use an engine that streams past the model's context")
+            f"{name}: max_new_tokens {run.max_new_tokens:,} leaves no room for the document in the model's maximum "
+            f"context of {max_context:,} tokens; lower --max-new-tokens")
+    raise ContextTooLongError(
+        f"{name}: prompt of {n_doc + n_question:,} tokens + {run.max_new_tokens} new tokens is longer than the "
+        f"model's maximum context of {max_context:,} tokens; shorten or split the document (no engine reads past "
+        "the model's trained context yet)")
 
 
-def _answer_one(session: Session, name: str, docs: list[Document], layout, report: Report, out) -> None:
+class _Output:
+    """stdout for answers: the label goes out with the first piece (a failed document prints nothing), and a
+    closed pipe becomes StdoutClosed."""
+
+    def __init__(self, label: str, enabled: bool):
+        self.label, self.enabled, self.started = label, enabled, False
+
+    def write(self, piece: str, end: bool = False) -> None:
+        if not self.enabled or not (piece or end or self.started):
+            return
+        try:
+            if not self.started:
+                sys.stdout.write(self.label)
+                self.started = True
+            sys.stdout.write(piece + ("\n" if end else ""))
+            sys.stdout.flush()
+        except BrokenPipeError:
+            raise StdoutClosed from None
+
+
+def _answer_one(session: Session, ids, layout, report: Report, out: _Output) -> None:
+    import torch
+
+    from engines.base import EngineInputError
+    from engines.decoding import Sampler
+    from longctx_cli.prompt import AnswerText
+    from longctx_cli.report import memory_snapshot, reset_peaks
+
     opts, run = session.opts, session.run
-    t0 = time.perf_counter()
-    ids = _document_ids(session, docs, layout)
-    report.timings.tokenize_s = time.perf_counter() - t0
-    report.tokens_in = ids.numel() + layout.question_ids.numel()
-    # Refused before any weights are loaded.
-    _check_length(ids.numel(), layout, run, session.max_context, opts.profile.engine, name)
     engine = session.ensure_engine()
-    report.timings.load_s = session.lm.load_s
+    report.timings.load_s, session.load_s = session.load_s, 0.0  # the load shows in the first report only
     reset_peaks()
     state = None
-    with Progress(TextColumn("prefill {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeRemainingColumn(), console=err, transient=True, disable=opts.quiet) as bar:
-        task = bar.add_task(name, total=ids.numel())
+    report.prefill_total = ids.numel()
+    with _progress(opts.quiet) as bar:
+        task = bar.add_task(escape(report.path), total=ids.numel())
+
+        def advance(n: int) -> None:
+            report.prefilled += n
+            bar.advance(task, n)
+
         start = time.perf_counter()
         try:
-            state = engine.prefill(ids, reserve=layout.question_ids.numel() + run.max_new_tokens,
-                                   progress=lambda n: bar.advance(task, n))
+            state = engine.prefill(ids, reserve=layout.question_ids.numel() + run.max_new_tokens, progress=advance)
         except EngineInputError as exc:
-            raise ConfigError(f"{name}: {exc}") from None
+            raise ConfigError(f"{report.path}: {exc}") from None
     report.timings.prefill_s = state.prefill_s
+    if not bool(torch.isfinite(state.last_logits).all()):
+        dtype = str(session.lm.model.dtype).removeprefix("torch.")
+        raise ConfigError(f"{report.path}: the model's activations overflowed in {dtype} "
+                          "(non-finite logits after prefill); use --dtype bfloat16 or float32")
     text = AnswerText(session.tokenizer, layout.stop_strings, layout.stop_ids)
     sampler = Sampler(run.temperature, run.top_p, run.seed)
     stream = engine.answer(state, layout.question_ids, run.max_new_tokens, sampler)
@@ -113,24 +182,28 @@ def _answer_one(session: Session, name: str, docs: list[Document], layout, repor
             last = now
             report.tokens_out += 1
             report.answer_ids.append(token)
-            piece = text.feed(token)
-            if piece and not opts.json:
-                out.write(piece)
-                out.flush()
+            out.write(text.feed(token))
             if text.done:
                 report.stopped = "stop"
                 break
     finally:
         stream.close()
-        if not opts.json:
-            out.write(text.finish() + "\n")
-            out.flush()
         report.answer = text.answer
         report.counters = engine.counters(state)
         report.memory = memory_snapshot(state.cache.nbytes())
+        out.write(text.finish(), end=True)
+
+
+def _progress(quiet: bool):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    # Logs and pipes get no bar (it would print a line per refresh).
+    return Progress(TextColumn("prefill {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeRemainingColumn(), console=err, transient=True, disable=quiet or not err.is_terminal)
 
 
 def _oom_error(exc: BaseException, session: Session, n_tokens: int) -> OutOfMemoryError:
+    from longctx_cli.models import load_config
     from longctx_cli.plan import estimate
 
     try:
@@ -146,46 +219,73 @@ def _oom_error(exc: BaseException, session: Session, n_tokens: int) -> OutOfMemo
 
 
 def run_ask(opts: AskOptions) -> int:
-    """Answers every document; returns the exit code (0, or 8 when some documents failed)."""
-    docs = collect_documents(opts.paths, glob=opts.glob)
+    """Answers every question about every document; returns the exit code: 0; 8 when some documents failed and
+    others were answered; the first failure's code when all failed. Raises for errors that end the run."""
+    from longctx_cli.prompt import build_layout
+
+    docs = opts.documents or collect_documents(opts.paths, glob=opts.glob, strict=False)
     groups = [(" + ".join(d.name for d in docs), docs)] if opts.concat else [(d.name, [d]) for d in docs]
     session = Session(opts)
     profile = opts.profile
-    layout = build_layout(session.tokenizer, opts.question, profile.run.stop, layout=opts.layout)
-    failures = 0
+    layouts = [build_layout(session.tokenizer, q, profile.run.stop, layout=opts.layout) for q in opts.questions]
+    failures: list[LongctxError] = []
     for name, members in groups:
-        report = Report(name, opts.question, profile.engine, opts.model or "gemma3-270m",
-                        bool(opts.model and opts.model.startswith("random:")))
-        if len(groups) > 1 and not opts.json:
-            sys.stdout.write(f"{name}: ")
+        reports = [Report(name, q, profile.engine, opts.model or "gemma3-270m",
+                          bool(opts.model and opts.model.startswith("random:"))) for q in opts.questions]
         try:
-            _answer_one(session, name, members, layout, report, sys.stdout)
-        except KeyboardInterrupt:
-            report.stopped = "interrupted"
-            _emit(report, opts)
-            raise
-        except (MemoryError, RuntimeError) as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
-            if is_out_of_memory(exc):
-                raise _oom_error(exc, session, report.tokens_in) from None
-            raise
+            if members[0].error is not None:
+                raise members[0].error
+            ids = _document_ids(session, members, layouts[0])
+            for layout, report in zip(layouts, reports):
+                report.tokens_in = ids.numel() + layout.question_ids.numel()
+                # Refused before any weights are loaded.
+                _check_length(ids.numel(), layout.question_ids.numel(), profile.run, session.max_context, name)
+            for layout, report in zip(layouts, reports):
+                labels = [name] if len(groups) > 1 else []
+                labels += [report.question] if len(layouts) > 1 else []
+                out = _Output("".join(f"{x}: " for x in labels), not opts.json)
+                _answer_guarded(session, ids, layout, report, out)
+                _emit(report, opts)
         except (InputError, ContextTooLongError, ConfigError) as exc:
+            failures.append(exc)
+            for report in reports:
+                if not report.stopped:
+                    report.stopped, report.error = "error", message(exc)
+                    if opts.json:
+                        _emit(report, opts)
             if len(groups) == 1:
                 raise
-            failures += 1
-            report.stopped, report.error = "error", str(exc)
-            err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-            if not opts.json:
-                sys.stdout.write("\n")
-        _emit(report, opts)
+            err.print(f"[red]error:[/] {escape(message(exc))}", highlight=False, soft_wrap=True)
     if failures:
-        err.print(f"[red]{failures} of {len(groups)} documents failed[/]")
-    return 8 if failures else 0
+        err.print(f"[red]{len(failures)} of {len(groups)} documents failed[/]")
+        return failures[0].exit_code if len(failures) == len(groups) else EXIT_PARTIAL
+    return 0
 
 
-def _emit(report: Report, opts: AskOptions) -> None:
-    if opts.json:
-        sys.stdout.write(json.dumps(report.as_json()) + "\n")
-        sys.stdout.flush()
-    elif not opts.quiet:
+def _answer_guarded(session: Session, ids, layout, report: Report, out: _Output) -> None:
+    """One answer; on Ctrl-C, SIGTERM or a closed stdout the partial answer and report go out before it ends
+    the run."""
+    opts = session.opts
+    try:
+        _answer_one(session, ids, layout, report, out)
+    except (KeyboardInterrupt, StdoutClosed) as exc:
+        report.stopped = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stdout closed"
+        _emit(report, opts, stdout=not isinstance(exc, StdoutClosed))
+        raise
+    except (MemoryError, RuntimeError) as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
+        if is_out_of_memory(exc):
+            raise _oom_error(exc, session, report.tokens_in) from None
+        raise
+
+
+def _emit(report: Report, opts: AskOptions, stdout: bool = True) -> None:
+    from longctx_cli.report import render
+
+    if opts.json and stdout:
+        try:
+            sys.stdout.write(json.dumps(report.as_json()) + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            raise StdoutClosed from None
+    elif not opts.quiet and not opts.json:
         render(report, err)
-

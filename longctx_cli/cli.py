@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -12,7 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from longctx_cli import __version__
-from longctx_cli.errors import EXIT_INTERRUPTED, ConfigError, LongctxError
+from longctx_cli.errors import (EXIT_INTERRUPTED, EXIT_PIPE, EXIT_TERMINATED, ConfigError, LongctxError, Terminated,
+                                UsageError, clip, message)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Ask questions of very long documents.", pretty_exceptions_enable=False)
@@ -89,7 +92,12 @@ def _ranks(prof, gpus: int, model: str | None) -> bool:
 
 @app.command()
 def ask(
-    paths: Annotated[list[str], typer.Argument(help="Files, folders or - (stdin), then the question last.")],
+    paths: Annotated[Optional[list[str]], typer.Argument(
+        help="Files, folders or - (stdin); without -q, the question comes last.", show_default=False)] = None,
+    questions: Annotated[Optional[list[str]], typer.Option(
+        "--question", "-q", help="A question (repeatable: each is answered about every document).")] = None,
+    questions_file: Annotated[Optional[str], typer.Option(
+        "--questions", help="A file of questions, one per line (- reads them from stdin).")] = None,
     profile: ProfileOpt = "dense",
     model: ModelOpt = None,
     max_new_tokens: MaxNewOpt = None,
@@ -102,30 +110,70 @@ def ask(
     sets: SetOpt = None,
     glob: Annotated[str, typer.Option(help="Patterns for files inside folders, comma-separated.")] = "*.txt,*.md",
     concat: Annotated[bool, typer.Option(help="Treat all inputs as one document.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per document on stdout.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per answer on stdout.")] = False,
     encoding_errors: Annotated[str, typer.Option(help="strict, replace or ignore for invalid UTF-8.")] = "strict",
     layout: Annotated[str, typer.Option(help="auto, chat (template) or plain (Question:/Answer:).")] = "auto",
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No report, no progress bars.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No report, no progress bars.")] = False,
     gpus: GpusOpt = 1,
 ):
-    """Answer QUESTION about each document (or all of them with --concat)."""
+    """Answer each question about each document (or about all of them with --concat)."""
     from longctx_cli import distributed
-    from longctx_cli.ask import AskOptions, run_ask
+    from longctx_cli.ask import AskOptions, check_ask, run_ask
+    from longctx_cli.home import check_home
+    from longctx_cli.models import check_model_spec
 
-    if len(paths) < 2:
-        raise ConfigError("give at least one document path and then the question: longctx ask FILE QUESTION")
+    paths, asked = _questions(list(paths or []), questions, questions_file)
     if encoding_errors not in ("strict", "replace", "ignore"):
-        raise ConfigError(f"--encoding-errors must be strict, replace or ignore, not {encoding_errors!r}")
+        raise UsageError(f"--encoding-errors must be strict, replace or ignore, not {clip(encoding_errors)}")
     if layout not in ("auto", "chat", "plain"):
-        raise ConfigError(f"--layout must be auto, chat or plain, not {layout!r}")
-    prof = _profile(profile, sets, max_new_tokens=max_new_tokens, chunk_size=chunk_size, device=device,
-                    dtype=dtype, temperature=temperature, top_p=top_p, seed=seed)
-    quiet = _ranks(prof, gpus, model) or quiet
-    opts = AskOptions(paths[:-1], paths[-1], prof, model=model, glob=glob, concat=concat, json=json_out,
+        raise UsageError(f"--layout must be auto, chat or plain, not {clip(layout)}")
+    check_home()
+    opts = AskOptions(paths, asked, None, model=model, glob=glob, concat=concat, json=json_out,
                       encoding_errors=encoding_errors, layout=layout, quiet=quiet)
+    check_ask(opts)
+    check_model_spec(model)
+    opts.profile = _profile(profile, sets, max_new_tokens=max_new_tokens, chunk_size=chunk_size, device=device,
+                            dtype=dtype, temperature=temperature, top_p=top_p, seed=seed)
+    opts.quiet = _ranks(opts.profile, gpus, model) or quiet
     code = run_ask(opts)
     distributed.finish()
     raise typer.Exit(code)
+
+
+def _questions(paths: list[str], questions: list[str] | None, questions_file: str | None) -> tuple[list[str],
+                                                                                                    list[str]]:
+    """(document paths, questions) from the positional arguments, -q and --questions (usage errors: exit 2)."""
+    asked = list(questions or [])
+    if questions_file is not None:
+        if questions_file == "-" and "-" in paths:
+            raise UsageError("stdin cannot hold both the document and the questions: give the questions with -q "
+                             "or --questions FILE")
+        asked += _read_questions(questions_file)
+    if not asked:
+        if len(paths) < 2:
+            raise UsageError("give a document path and then the question (longctx ask FILE QUESTION), or the "
+                             "question with -q: longctx ask -q QUESTION FILE...")
+        question = paths.pop()
+        if os.path.exists(question):
+            raise UsageError(f"the last argument {clip(question)} is a file, so the question seems to be missing; "
+                             "give it last or with -q: longctx ask FILE... -q QUESTION")
+        asked = [question]
+    if not paths:
+        raise UsageError("no document given: longctx ask FILE|FOLDER|- -q QUESTION")
+    if any(not q.strip() for q in asked):
+        raise UsageError("empty question: ask something, e.g. -q \"Who hid the letter?\"")
+    return paths, asked
+
+
+def _read_questions(source: str) -> list[str]:
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--questions {clip(source)}: cannot read it ({exc})") from None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise UsageError(f"--questions {clip(source)}: no question in it (one per line)")
+    return lines
 
 
 @app.command()
@@ -236,40 +284,70 @@ def profiles_show(name: Annotated[str, typer.Argument(help="Profile name or YAML
     print(yaml.dump(_profile(name, sets).as_dict(), Dumper=Dumper, sort_keys=False), end="")
 
 
-def _query_rank() -> bool:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return world == 1 or int(os.environ.get("RANK", "0")) == world - 1
-
-
 def main() -> None:
+    from longctx_cli.ask import StdoutClosed
+
+    if hasattr(signal, "SIGTERM"):
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         # Without standalone mode, click returns a command's `typer.Exit(code)` instead of raising it.
         code = app(standalone_mode=False)
         sys.exit(code if isinstance(code, int) else 0)
     except LongctxError as exc:
-        if not _query_rank():
+        from longctx_cli import distributed
+
+        if not distributed.is_query_rank():
             sys.exit(exc.exit_code)  # every rank hit the same error; the query rank says it once
         if DEBUG["on"]:
             err.print_exception()
         # One line whatever the terminal width; the message is text, not rich markup (paths may hold "[...]").
-        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(message(exc))}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        sys.stdout.flush()
-        err.print("[yellow]interrupted[/]")
-        sys.exit(EXIT_INTERRUPTED)
+    except KeyboardInterrupt as exc:
+        _interrupted(exc)
+    except StdoutClosed:
+        _stdout_closed()
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except Exception as exc:  # noqa: BLE001 - the CLI boundary
         import click
 
-        # Newer Typer vendors click: its usage errors are typer.TyperException, not click.ClickException.
+        # Click turns Ctrl-C into Abort; the KeyboardInterrupt (or SIGTERM) is its cause.
         if isinstance(exc, (click.exceptions.Abort, typer.Abort)):
-            sys.exit(EXIT_INTERRUPTED)
+            _interrupted(exc.__cause__ or exc.__context__)
+        # Newer Typer vendors click: its usage errors are typer.TyperException, not click.ClickException.
         if isinstance(exc, (click.ClickException, typer.TyperException)):
             exc.show()
             sys.exit(exc.exit_code)
+        if isinstance(exc, StdoutClosed) or isinstance(exc.__cause__, StdoutClosed):
+            _stdout_closed()
         if DEBUG["on"]:
             err.print_exception()
-        err.print(f"[red]internal error:[/] {type(exc).__name__}: {exc} (run with --debug for the traceback)")
+        err.print(f"[red]internal error:[/] {type(exc).__name__}: {escape(message(exc))} (run with --debug for the "
+                  "traceback)", highlight=False, soft_wrap=True)
         sys.exit(1)
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
+def _interrupted(exc: BaseException | None) -> None:
+    """Ctrl-C or SIGTERM: what was answered is already out; say so in one line and exit 130 / 143."""
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):
+        pass
+    terminated = isinstance(exc, Terminated)
+    err.print(f"[yellow]{'terminated' if terminated else 'interrupted'}[/]")
+    sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
+
+
+def _stdout_closed() -> None:
+    """The reader of stdout went away: leave quietly (the report went to stderr), as `yes | head` does."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's final flush of stdout must not fail again
+    except (OSError, ValueError, AttributeError):
+        pass
+    sys.exit(EXIT_PIPE)

@@ -3,14 +3,17 @@
 Exit codes (also in README.md):
   0   success
   1   unexpected internal error (run with --debug for the traceback)
-  2   bad command-line usage (Typer/Click)
+  2   bad command-line usage: unknown option, missing or empty question, a question that names a file
   3   input error: missing path, empty / binary / mis-encoded document
   4   configuration error: unknown profile, engine or key, bad value, malformed YAML
   5   model error: model not found or not loadable
   6   document too long for the chosen engine and model
   7   out of memory on a device
   8   partial failure: some documents of a multi-document run failed, the others were answered
-  130 interrupted (Ctrl-C); partial output was flushed
+      (when every document fails: the first failure's code)
+  130 interrupted (Ctrl-C); partial output and report were flushed
+  141 standard output closed early (e.g. `| head`): the report still goes to stderr
+  143 terminated (SIGTERM); flushed as for Ctrl-C
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ class LongctxError(Exception):
     """Base class: a message for the user (one line) and an exit code."""
 
     exit_code = 1
+
+
+class UsageError(LongctxError):
+    exit_code = 2
 
 
 class InputError(LongctxError):
@@ -54,3 +61,21 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 EXIT_PARTIAL = 8
 EXIT_INTERRUPTED = 130
+EXIT_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the signal lands so it unwinds (and flushes) exactly as Ctrl-C does."""
+
+
+def message(exc: BaseException, limit: int = 400) -> str:
+    """One line for the user: newlines folded, long echoes of user input capped."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def clip(value, limit: int = 60) -> str:
+    """repr() of a user-supplied value for an error message, capped (a 100 KB token is not echoed whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 4] + "…" + text[-3:]

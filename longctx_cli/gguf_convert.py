@@ -14,7 +14,6 @@ entry into two entries is a merge ranked by that entry's score.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -82,31 +81,60 @@ def spm_bpe_tokenizer(gguf_path: Path):
     return PreTrainedTokenizerFast(tokenizer_object=backend, **special)
 
 
+MANIFEST = "longctx.json"
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path, progress=lambda msg: None) -> Path:
-    """Write `out_dir` (config, fp32 safetensors, tokenizer) from `gguf_path`; atomic: a crash leaves nothing."""
+    """Write `out_dir` (config, fp32 safetensors, tokenizer) from `gguf_path`; atomic: a crash leaves nothing.
+
+    The folder's manifest (written last) records a fingerprint of every file, which `check_converted` verifies
+    before each use.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    progress("converting the tokenizer")
-    tokenizer = spm_bpe_tokenizer(gguf_path)
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(tmp)
-    progress("dequantising the weights")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    # transformers refuses to serialise a model that still carries its GGUF quantizer; the weights are
-    # already dequantised, so detaching it is lossless.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    progress("writing safetensors")
-    model.save_pretrained(tmp)
-    (tmp / "longctx.json").write_text(json.dumps({"source": str(gguf_path), "converted_by": "longctx"}))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    from longctx_cli.home import atomic_folder, file_digest
+
+    with atomic_folder(out_dir) as tmp:
+        progress("converting the tokenizer")
+        tokenizer = spm_bpe_tokenizer(gguf_path)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer.save_pretrained(tmp)
+        progress("dequantising the weights")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        # transformers refuses to serialise a model that still carries its GGUF quantizer; the weights are
+        # already dequantised, so detaching it is lossless.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        progress("writing safetensors")
+        model.save_pretrained(tmp)
+        files = {f.name: file_digest(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps({"source": str(gguf_path), "converted_by": "longctx",
+                                                "files": files}))
     return out_dir
+
+
+def check_converted(out_dir: Path) -> str | None:
+    """None when `out_dir` is a complete, intact conversion; otherwise what is wrong with it (one phrase)."""
+    from longctx_cli.home import file_digest
+
+    try:
+        manifest = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except FileNotFoundError:
+        return "not converted yet" if not out_dir.exists() else "conversion incomplete (no manifest)"
+    except KeyError:
+        return "converted by an older longctx (no file fingerprints)"
+    except (OSError, ValueError, TypeError):
+        return "damaged manifest"
+    for name, digest in files.items():
+        path = out_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if file_digest(path) != digest:
+            return f"{name} is damaged (truncated or overwritten)"
+    return None

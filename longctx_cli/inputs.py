@@ -15,11 +15,12 @@ from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
-
-import torch
+from typing import TYPE_CHECKING, BinaryIO
 
 from longctx_cli.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
 
 ENCODING_ERRORS = ("strict", "replace", "ignore")
 # git and grep call a file binary when a NUL byte shows up this early.
@@ -41,10 +42,13 @@ _WHITESPACE_CUT = re.compile(r".*\S(?=\s)", re.S)
 class Document:
     name: str  # path as given / relative path inside a folder / "<stdin>"
     path: Path | None  # None for stdin
+    error: InputError | None = None  # found before reading (missing path, empty folder, binary start, ...)
 
 
-def collect_documents(paths: list[str], glob: str = "*.txt,*.md") -> list[Document]:
-    """Expand files, folders (recursively, files matching any comma-separated pattern, sorted) and "-"."""
+def collect_documents(paths: list[str], glob: str = "*.txt,*.md", strict: bool = True) -> list[Document]:
+    """Expand files, folders (recursively, following links to folders once each; files matching any
+    comma-separated pattern, sorted) and "-". A missing path or an empty folder raises InputError, or with
+    strict=False becomes a Document carrying its error, so a run over several inputs reports it and goes on."""
     patterns = [p.strip() for p in glob.split(",") if p.strip()]
     docs: list[Document] = []
     for entry in paths:
@@ -55,21 +59,52 @@ def collect_documents(paths: list[str], glob: str = "*.txt,*.md") -> list[Docume
             continue
         path = Path(entry)
         if path.is_dir():
-            found = {f for pattern in patterns for f in path.rglob(pattern) if f.is_file()}
-            # Hidden folders (.git, .venv, ...) are never documents.
-            rel = sorted(f.relative_to(path) for f in found if not _hidden(f.relative_to(path)))
+            rel = _folder_files(path, patterns)
             if not rel:
-                raise InputError(f"no file matching {','.join(patterns) or '(no pattern)'} in folder: {entry}")
+                error = InputError(f"no file matching {','.join(patterns) or '(no pattern)'} in folder: {entry}")
+                docs.append(Document(entry, path, error))
             docs.extend(Document(r.as_posix(), path / r) for r in rel)
         elif path.exists():  # a file, or a named pipe such as bash's <(cmd)
             docs.append(Document(entry, path))
         else:
-            raise InputError(f"no such file or folder: {entry}")
+            docs.append(Document(entry, path, InputError(f"no such file or folder: {entry}")))
+    if strict and (bad := next((d for d in docs if d.error is not None), None)):
+        raise bad.error
     return docs
 
 
-def _hidden(rel: Path) -> bool:
-    return any(part.startswith(".") for part in rel.parts)
+def _folder_files(root: Path, patterns: list[str]) -> list[Path]:
+    """Files under root matching a pattern, relative to root, sorted. Links to folders are followed (each real
+    folder once, so a link cycle ends); hidden files and folders (.git, .venv, ...) are never documents."""
+    import fnmatch
+
+    seen: set[str] = set()
+    found: list[Path] = []
+    for folder, subfolders, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders[:] = []
+            continue
+        seen.add(real)
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        rel = Path(folder).relative_to(root)
+        found += [rel / f for f in files if not f.startswith(".") and (Path(folder) / f).is_file()
+                  and any(fnmatch.fnmatch(f, p) for p in patterns)]
+    return sorted(found)
+
+
+def sniff(doc: Document, encoding_errors: str = "strict") -> InputError | None:
+    """The error reading would meet at the start of a regular file (empty, binary, not UTF-8), found by reading
+    its first few KiB only, so a bad document is refused before any model loads. Pipes and stdin are not
+    sniffed (reading would consume them)."""
+    if doc.error is not None or doc.path is None or not doc.path.is_file():
+        return doc.error
+    try:
+        for _ in iter_text(doc, encoding_errors=encoding_errors, piece_bytes=SNIFF_BYTES):
+            break
+    except InputError as exc:
+        return exc
+    return None
 
 
 def iter_text(
@@ -160,6 +195,8 @@ def tokenize_stream(pieces: Iterable[str], tokenizer, *, add_bos: bool = True) -
 
     Ids accumulate in a compact array('i') (4 bytes a token) instead of Python int lists.
     """
+    import torch
+
     ids = array("i")
     bos = getattr(tokenizer, "bos_token_id", None)
     if add_bos and bos is not None:

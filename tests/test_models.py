@@ -19,7 +19,7 @@ _CONVERTER = textwrap.dedent("""
             log.write("converting\\n")
         time.sleep(1.0)  # long enough for the other process to arrive while this one converts
         out.mkdir()
-        (out / "longctx.json").write_text("{}")
+        (out / "longctx.json").write_text('{"files": {}}')
 
     _convert_once(out, convert, lambda msg: print(msg, flush=True))
 """)

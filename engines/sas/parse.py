@@ -20,6 +20,15 @@ from engines.sas.pattern import Diag, Dynamic, Not, Pattern, Rect, Span
 
 _TOKEN = re.compile(r"\s*(?:(?P<num>-?\d+)|(?P<name>[A-Za-z_]\w*)|(?P<op>>>|[-+*~!()=,:\[\].]))")
 _PRIMITIVES = ("Rect", "Diag", "Dynamic")
+# Integers a pattern may hold (positions, sizes: far below int64, whose overflow would surface much later) and
+# how deeply it may nest (deeper patterns are not written by hand, and the tree is walked recursively).
+MAX_INT = 1 << 48
+MAX_DEPTH = 64
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    """A piece of the user's pattern for an error message, capped (a 100 KB token is not echoed whole)."""
+    return repr(text) if len(text) <= limit else repr(text[:limit - 10] + "…" + text[-6:])
 _ARGS = {"Rect": ("queries", "keys", "size", "stride", "offset"), "Diag": ("window", "size", "offset", "stride"),
          "Dynamic": ("budget", "refresh", "score")}
 
@@ -32,8 +41,11 @@ def _tokenize(text: str) -> list[tuple[str, str, int]]:
         m = _TOKEN.match(text, pos)
         if m is None:
             col = len(text) - len(text[pos:].lstrip())
-            raise ValueError(f"bad pattern at column {col + 1}: unexpected character {text[col]!r} in {text!r}")
+            raise ValueError(f"bad pattern at column {col + 1}: unexpected character {text[col]!r} in {_clip(text)}")
         kind = m.lastgroup
+        if kind == "num" and abs(int(m.group(kind))) > MAX_INT:
+            raise ValueError(f"bad pattern at column {m.start(kind) + 1}: integer {_clip(m.group(kind))} is too "
+                             f"large (at most {MAX_INT:,})")
         tokens.append((kind, m.group(kind), m.start(kind)))
         pos = m.end()
     tokens.append(("end", "", len(text)))
@@ -43,10 +55,11 @@ def _tokenize(text: str) -> list[tuple[str, str, int]]:
 class _Parser:
     def __init__(self, text: str):
         self.text, self.tokens, self.i = text, _tokenize(text), 0
+        self.depth = 0
 
     def error(self, message: str, token=None) -> ValueError:
         kind, value, col = token or self.tokens[self.i]
-        where = "the end" if kind == "end" else repr(value)
+        where = "the end" if kind == "end" else _clip(value)
         return ValueError(f"bad pattern at column {col + 1} ({where}): {message}")
 
     def peek(self, value: str | None = None, kind: str | None = None) -> bool:
@@ -74,10 +87,16 @@ class _Parser:
         return node
 
     def unary(self) -> Pattern:
-        if self.peek("~", "op") or self.peek("!", "op"):
-            self.i += 1
-            return Not(self.unary())
-        return self.spread()
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise self.error(f"nested more than {MAX_DEPTH} deep")
+        try:
+            if self.peek("~", "op") or self.peek("!", "op"):
+                self.i += 1
+                return Not(self.unary())
+            return self.spread()
+        finally:
+            self.depth -= 1
 
     def spread(self) -> Pattern:
         token = self.tokens[self.i]
@@ -181,40 +200,40 @@ class _Parser:
 def _check_arg(kind: str, key: str, value, fail):
     if key in ("queries", "keys"):
         if not isinstance(value, Span):
-            raise fail(f"{kind} {key} takes a range start:stop (either side may be left out), got {value!r}")
+            raise fail(f"{kind} {key} takes a range start:stop (either side may be left out), got {_clip(str(value))}")
         return value
     if key == "size" and kind == "Rect":
         if not isinstance(value, tuple):
-            raise fail(f"Rect size takes [rows, columns], got {value!r}")
+            raise fail(f"Rect size takes [rows, columns], got {_clip(str(value))}")
         return value
     if key == "refresh":
         if not isinstance(value, bool):
-            raise fail(f"refresh takes true or false, got {value!r}")
+            raise fail(f"refresh takes true or false, got {_clip(str(value))}")
         return value
     if key == "score":
         if not isinstance(value, str):
-            raise fail(f"score takes a chain like attn.sum.pool(3), got {value!r}")
+            raise fail(f"score takes a chain like attn.sum.pool(3), got {_clip(str(value))}")
         return _score(value, fail)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise fail(f"{kind} {key} takes an integer, got {value!r}")
+        raise fail(f"{kind} {key} takes an integer, got {_clip(str(value))}")
     return value
 
 
 def _score(chain: str, fail) -> dict:
     steps = chain.split(".")
     if steps[0] != "attn":
-        raise fail(f"a score chain starts with attn (attention probabilities), got {chain!r}")
+        raise fail(f"a score chain starts with attn (attention probabilities), got {_clip(chain)}")
     out = {}
     for step in steps[1:]:
         m = re.fullmatch(r"pool\((\d+)\)", step)
         if m and "pool" not in out:
             out["pool"] = int(m.group(1))
             if out["pool"] < 1 or out["pool"] % 2 == 0:
-                raise fail(f"the pool width must be an odd integer >= 1, got {out['pool']} in {chain!r}")
+                raise fail(f"the pool width must be an odd integer >= 1, got {out['pool']} in {_clip(chain)}")
         elif step in ("sum", "mean", "max") and "reduce" not in out and "pool" not in out:
             out["reduce"] = step
         else:
-            raise fail(f"bad score step {step!r} in {chain!r}; expected attn[.sum|.mean|.max][.pool(w)]")
+            raise fail(f"bad score step {step!r} in {_clip(chain)}; expected attn[.sum|.mean|.max][.pool(w)]")
     return out
 
 
@@ -223,7 +242,10 @@ def parse_pattern(text: str) -> Pattern:
     if not isinstance(text, str) or not text.strip():
         raise ValueError("bad pattern: empty; expected e.g. 'Rect(keys=0:32) + Diag(window=1024)'")
     parser = _Parser(text)
-    node = parser.pattern()
+    try:
+        node = parser.pattern()
+    except RecursionError:
+        raise ValueError(f"bad pattern: nested too deeply (at most {MAX_DEPTH} levels)") from None
     if not parser.peek(kind="end"):
         raise parser.error("expected '+', '*', '>>' or the end")
     return node
