@@ -1,6 +1,6 @@
 """Kernel benchmarks on a GPU: decode_attention (Triton vs SDPA) and chunk_attention (Flex vs SDPA reference).
 
-    python benchmarks/kernels.py --out results.json
+    python benchmarks/bench_kernels.py --out results.json
 
 Decode: one token per sequence, B=1, bf16, against a static buffer of --capacity tokens (the decode setting:
 the cache is sized for the whole context). GB/s counts the K+V bytes of the valid prefix only, so a method

@@ -1,4 +1,4 @@
-"""HF's own eager path on the same random-weight model, for the foundation issue's comparison.
+"""HF's own eager path on the same random-weight model, to compare the dense engine against.
 
 One-shot prefill (SDPA, DynamicCache, logits of the last token only) and an eager decode loop (one forward per
 token, DynamicCache). Random weights: speed only. Usage on a GPU:

@@ -1,4 +1,4 @@
-"""Which blocks ltri-stream's question chunk retrieves, against the blocks that hold the needles (issue 8).
+"""Which blocks ltri-stream's question chunk retrieves, against the blocks that hold the needles.
 
 Decoding keeps the retrieval of the last prefill chunk (the question's), so a needle answer needs the needle's
 block(s) among them. Per sample: the needles' block ids (block b holds positions n_init + b * block_size ...),

@@ -1,4 +1,4 @@
-"""How well each block-scoring rule picks what dense decoding attends to (resa, issue 5's accuracy gap).
+"""How well each block-scoring rule picks what dense decoding attends to (resa's accuracy against dense).
 
 Harness samples are decoded densely (resa with keep_ratio 1.0 reads every block, which equals dense token for
 token); at every decode step of every sparse layer the query and keys are handed to each scoring rule, and the
