@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import sys
@@ -14,8 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from longctx_cli import __version__
-from longctx_cli.errors import (EXIT_INTERRUPTED, EXIT_PIPE, EXIT_TERMINATED, ConfigError, LongctxError, Terminated,
-                                UsageError, clip, message)
+from longctx_cli.errors import (EXIT_INTERRUPTED, EXIT_PIPE, EXIT_TERMINATED, ConfigError, Interrupted, LongctxError,
+                                Terminated, UsageError, clip, message)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Ask questions of very long documents.", pretty_exceptions_enable=False)
@@ -34,6 +35,18 @@ ChunkOpt = Annotated[Optional[int], typer.Option("--chunk-size", help="Prefill c
 GpusOpt = Annotated[int, typer.Option(
     "--gpus", help="Star only: run N ranks on this host, one per GPU (gloo processes with --device cpu).")]
 MaxNewOpt = Annotated[Optional[int], typer.Option("--max-new-tokens", "-n", help="Answer length limit.")]
+
+
+def _signals(command):
+    """Ctrl-C and SIGTERM inside a command reach `main` as Interrupted, which says so and exits 130 / 143."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt as exc:
+            raise Interrupted(isinstance(exc, Terminated)) from None
+
+    return run
 
 
 def _version(value: bool):
@@ -91,6 +104,7 @@ def _ranks(prof, gpus: int, model: str | None) -> bool:
 
 
 @app.command()
+@_signals
 def ask(
     paths: Annotated[Optional[list[str]], typer.Argument(
         help="Files, folders or - (stdin); without -q, the question comes last.", show_default=False)] = None,
@@ -177,6 +191,7 @@ def _read_questions(source: str) -> list[str]:
 
 
 @app.command()
+@_signals
 def bench(
     profile: ProfileOpt = "dense",
     model: ModelOpt = None,
@@ -208,6 +223,9 @@ def bench(
     gpus: GpusOpt = 1,
 ):
     """Speed (synthetic contexts) or, with --tasks, accuracy of a profile's engine next to the dense baseline."""
+    from longctx_cli.home import check_home
+
+    check_home()
     from longctx_cli import distributed
     from longctx_cli.bench import run_bench
     from longctx_cli.tasks import TASKS
@@ -241,6 +259,7 @@ def bench(
 
 
 @app.command()
+@_signals
 def plan(
     paths: Annotated[Optional[list[str]], typer.Argument(help="Documents (or give --tokens).")] = None,
     profile: ProfileOpt = "dense",
@@ -253,6 +272,9 @@ def plan(
     max_new_tokens: MaxNewOpt = None,
 ):
     """Predict memory per device before loading any weights, with a verdict."""
+    from longctx_cli.home import check_home
+
+    check_home()
     from longctx_cli.plan import run_plan
 
     prof = _profile(profile, sets, device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
@@ -303,8 +325,10 @@ def main() -> None:
         # One line whatever the terminal width; the message is text, not rich markup (paths may hold "[...]").
         err.print(f"[red]error:[/] {escape(message(exc))}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
+    except Interrupted as exc:
+        _interrupted(exc.terminated)
     except KeyboardInterrupt as exc:
-        _interrupted(exc)
+        _interrupted(isinstance(exc, Terminated))
     except StdoutClosed:
         _stdout_closed()
     except typer.Exit as exc:
@@ -314,11 +338,14 @@ def main() -> None:
 
         # Click turns Ctrl-C into Abort; the KeyboardInterrupt (or SIGTERM) is its cause.
         if isinstance(exc, (click.exceptions.Abort, typer.Abort)):
-            _interrupted(exc.__cause__ or exc.__context__)
+            _interrupted(isinstance(exc.__cause__ or exc.__context__, Terminated))
         # Newer Typer vendors click: its usage errors are typer.TyperException, not click.ClickException.
         if isinstance(exc, (click.ClickException, typer.TyperException)):
-            exc.show()
-            sys.exit(exc.exit_code)
+            # One line, like every other error (click's own layout is a usage box over several lines).
+            text = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+            usage = " (see --help)" if getattr(exc, "exit_code", 1) == 2 else ""
+            err.print(f"[red]error:[/] {escape(message(text))}{usage}", highlight=False, soft_wrap=True)
+            sys.exit(getattr(exc, "exit_code", 2))
         if isinstance(exc, StdoutClosed) or isinstance(exc.__cause__, StdoutClosed):
             _stdout_closed()
         if DEBUG["on"]:
@@ -332,13 +359,12 @@ def _terminate(signum, frame):
     raise Terminated
 
 
-def _interrupted(exc: BaseException | None) -> None:
+def _interrupted(terminated: bool) -> None:
     """Ctrl-C or SIGTERM: what was answered is already out; say so in one line and exit 130 / 143."""
     try:
         sys.stdout.flush()
     except (BrokenPipeError, ValueError):
         pass
-    terminated = isinstance(exc, Terminated)
     err.print(f"[yellow]{'terminated' if terminated else 'interrupted'}[/]")
     sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
 

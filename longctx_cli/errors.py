@@ -69,6 +69,14 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the signal lands so it unwinds (and flushes) exactly as Ctrl-C does."""
 
 
+class Interrupted(BaseException):
+    """Ctrl-C or SIGTERM leaving a command, past Typer (which would turn it into a silent exit 130)."""
+
+    def __init__(self, terminated: bool):
+        super().__init__("terminated" if terminated else "interrupted")
+        self.terminated = terminated
+
+
 def message(exc: BaseException, limit: int = 400) -> str:
     """One line for the user: newlines folded, long echoes of user input capped."""
     text = " ".join(str(exc).split())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from longctx_cli.errors import ConfigError
+from longctx_cli.errors import ConfigError, clip
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 META_KEYS = ("description", "engine")
@@ -143,20 +143,44 @@ def list_profiles() -> list[tuple[str, str]]:
     return [(f.stem, str(_load_yaml(f).get("description", ""))) for f in files]
 
 
+@dataclass(frozen=True)
+class Verbatim:
+    """A --set value whose text YAML reads as something other than plain text (a mapping for `keys=0: 32`, a tag
+    for `!Diag()`, or an error): the text itself goes to keys that take a string, the YAML value elsewhere."""
+
+    text: str
+    parsed: object = None
+    problem: str | None = None  # the YAML error, when it did not parse
+
+
 def parse_override(text: str) -> tuple[str, object]:
     """`--set key=value` -> (key, value); the value is YAML (1024 -> int, true -> bool, [a, b] -> list)."""
     key, sep, raw = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not key or not raw.strip():
-        raise ConfigError(f"--set expects key=value, got {text!r}")
+        raise ConfigError(f"--set expects key=value, got {clip(text)}")
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML ({e.problem})") from None
+        return key, Verbatim(raw.strip(), problem=getattr(e, "problem", None) or str(e).splitlines()[0])
     # YAML 1.1 reads 1e-3 (no dot) as a string; on a command line it means the number.
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()):
         value = float(value)
+    if isinstance(value, dict) or raw.lstrip().startswith("!"):
+        return key, Verbatim(raw.strip(), value)
     return key, value
+
+
+def _choose(key: str, value, hint):
+    """The value a --set key gets: the text for string keys when YAML read it otherwise, else the YAML value."""
+    if not isinstance(value, Verbatim):
+        return check_type(key, value, hint)
+    try:
+        return check_type(key, value.text, hint)
+    except ValueError:
+        if value.problem is not None:
+            raise ValueError(f"bad value for {key}: {clip(value.text)} is not valid YAML ({value.problem})") from None
+        return check_type(key, value.parsed, hint)
 
 
 def resolve_profile(name_or_path: str, overrides: dict[str, object] | None = None, registry=None) -> Profile:
@@ -214,7 +238,7 @@ def _build(cls, values: dict, origin: dict[str, str], where: str):
     checked = {}
     for key, value in values.items():
         try:
-            checked[key] = check_type(key, value, hints.get(key, typing.Any))
+            checked[key] = _choose(key, value, hints.get(key, typing.Any))
         except ValueError as e:
             raise ConfigError(f"{origin[key]}: {e}") from None
     try:
@@ -245,7 +269,9 @@ def _load_yaml(path: Path) -> dict:
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}{at}: malformed YAML: {e.problem or e.context}") from None
+        hint = ("; quote values that hold ': ' or start with '!', e.g. pattern: \"~Diag(window=64)\""
+                if isinstance(e, (yaml.constructor.ConstructorError, yaml.scanner.ScannerError)) else "")
+        raise ConfigError(f"{path}{at}: malformed YAML: {e.problem or e.context}{hint}") from None
     except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read profile: {e}") from None
     if not isinstance(data, dict):
