@@ -198,10 +198,17 @@ def test_parse_override(text, expected):
     assert parse_override(text) == expected
 
 
-@pytest.mark.parametrize("text", ["chunk_size", "=3", "seed=", "stop=[a"])
+@pytest.mark.parametrize("text", ["chunk_size", "=3", "seed="])
 def test_parse_override_rejects(text):
     with pytest.raises(ConfigError, match="--set"):
         parse_override(text)
+
+
+def test_override_that_is_not_yaml_is_refused_for_non_string_keys():
+    """`stop=[a` is kept as typed (a string key would take it) and refused where a list is expected."""
+    key, value = parse_override("stop=[a")
+    with pytest.raises(ConfigError, match="stop.*not valid YAML"):
+        resolve_profile("dense", {key: value})
 
 
 def test_profile_is_a_plain_dataclass():
