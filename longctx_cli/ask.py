@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.markup import escape
 
+from longctx_cli.clock import CLOCK
 from longctx_cli.errors import (EXIT_PARTIAL, ConfigError, ContextTooLongError, InputError, LongctxError, ModelError,
                                 OutOfMemoryError, is_out_of_memory, message)
 from longctx_cli.inputs import Document, collect_documents, iter_text, sniff, tokenize_stream
@@ -65,9 +66,11 @@ class Session:
         if opts.quiet or not err.is_terminal:
             quiet_libraries()
         self.say = (lambda msg: None) if opts.quiet else (lambda msg: err.print(f"[dim]{escape(msg)}...[/]"))
-        config = load_config(opts.model, progress=self.say)
+        with CLOCK.part("config"):
+            config = load_config(opts.model, progress=self.say)
         check_dtype(config, self.run.dtype, self.run.device)
-        self.tokenizer = load_tokenizer(opts.model, progress=self.say)
+        with CLOCK.part("tokenizer"):
+            self.tokenizer = load_tokenizer(opts.model, progress=self.say)
         self.max_context = max_context(config)
         self.lm = None
         self.engine = None
@@ -80,12 +83,14 @@ class Session:
             from longctx_cli.home import longctx_home
             from longctx_cli.models import load_model
 
-            self.lm = load_model(self.opts.model, device=self.run.device, dtype=self.run.dtype,
-                                 tokenizer=self.tokenizer, progress=self.say)
+            with CLOCK.part("model load"):
+                self.lm = load_model(self.opts.model, device=self.run.device, dtype=self.run.dtype,
+                                     tokenizer=self.tokenizer, progress=self.say)
             self.load_s = self.lm.load_s
             cls = ENGINES[self.opts.profile.engine]
             try:
-                self.engine = cls(self.lm, self.opts.profile.engine_config, self.run, home=longctx_home())
+                with CLOCK.part("engine build"):
+                    self.engine = cls(self.lm, self.opts.profile.engine_config, self.run, home=longctx_home())
             except EngineInputError as exc:
                 raise ConfigError(f"profile {self.opts.profile.name}: {exc}") from None
             except NotImplementedError as exc:
@@ -159,7 +164,9 @@ def _answer_one(session: Session, ids, layout, report: Report, out: _Output) -> 
 
         start = time.perf_counter()
         try:
-            state = engine.prefill(ids, reserve=layout.question_ids.numel() + run.max_new_tokens, progress=advance)
+            with CLOCK.part("prefill"):
+                state = engine.prefill(ids, reserve=layout.question_ids.numel() + run.max_new_tokens,
+                                       progress=advance)
         except EngineInputError as exc:
             raise ConfigError(f"{report.path}: {exc}") from None
     report.timings.prefill_s = state.prefill_s
@@ -177,8 +184,10 @@ def _answer_one(session: Session, ids, layout, report: Report, out: _Output) -> 
             now = time.perf_counter()
             if i == 0:
                 report.timings.first_token_s = now - start
+                CLOCK.add("question", now - last)
             else:
                 report.timings.decode_step_s.append(now - last)
+                CLOCK.add("decode", now - last)
             last = now
             report.tokens_out += 1
             report.answer_ids.append(token)
@@ -189,8 +198,9 @@ def _answer_one(session: Session, ids, layout, report: Report, out: _Output) -> 
     finally:
         stream.close()
         report.answer = text.answer
-        report.counters = engine.counters(state)
-        report.memory = memory_snapshot(state.cache.nbytes())
+        with CLOCK.part("report"):
+            report.counters = engine.counters(state)
+            report.memory = memory_snapshot(state.cache.nbytes())
         out.write(text.finish(), end=True)
 
 
@@ -227,7 +237,8 @@ def run_ask(opts: AskOptions) -> int:
     groups = [(" + ".join(d.name for d in docs), docs)] if opts.concat else [(d.name, [d]) for d in docs]
     session = Session(opts)
     profile = opts.profile
-    layouts = [build_layout(session.tokenizer, q, profile.run.stop, layout=opts.layout) for q in opts.questions]
+    with CLOCK.part("prompt layout"):
+        layouts = [build_layout(session.tokenizer, q, profile.run.stop, layout=opts.layout) for q in opts.questions]
     failures: list[LongctxError] = []
     for name, members in groups:
         reports = [Report(name, q, profile.engine, opts.model or "gemma3-270m",
@@ -235,7 +246,8 @@ def run_ask(opts: AskOptions) -> int:
         try:
             if members[0].error is not None:
                 raise members[0].error
-            ids = _document_ids(session, members, layouts[0])
+            with CLOCK.part("tokenize"):
+                ids = _document_ids(session, members, layouts[0])
             for layout, report in zip(layouts, reports):
                 report.tokens_in = ids.numel() + layout.question_ids.numel()
                 # Refused before any weights are loaded.
@@ -281,6 +293,7 @@ def _answer_guarded(session: Session, ids, layout, report: Report, out: _Output)
 def _emit(report: Report, opts: AskOptions, stdout: bool = True) -> None:
     from longctx_cli.report import render
 
+    report.timings.wall = CLOCK.take()
     if opts.json and stdout:
         try:
             sys.stdout.write(json.dumps(report.as_json()) + "\n")

@@ -7,6 +7,7 @@ import functools
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from longctx_cli import __version__
+from longctx_cli.clock import CLOCK
 from longctx_cli.errors import (EXIT_INTERRUPTED, EXIT_PIPE, EXIT_TERMINATED, ConfigError, Interrupted, LongctxError,
                                 Terminated, UsageError, clip, message)
 
@@ -144,10 +146,13 @@ def ask(
     check_home()
     opts = AskOptions(paths, asked, None, model=model, glob=glob, concat=concat, json=json_out,
                       encoding_errors=encoding_errors, layout=layout, quiet=quiet)
-    check_ask(opts)
-    check_model_spec(model)
-    opts.profile = _profile(profile, sets, max_new_tokens=max_new_tokens, chunk_size=chunk_size, device=device,
-                            dtype=dtype, temperature=temperature, top_p=top_p, seed=seed)
+    with CLOCK.part("checks"):
+        check_ask(opts)
+        check_model_spec(model)
+        with CLOCK.part("imports"):
+            import engines  # noqa: F401 - torch and transformers come with it: seconds, counted as such
+        opts.profile = _profile(profile, sets, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
+                                device=device, dtype=dtype, temperature=temperature, top_p=top_p, seed=seed)
     opts.quiet = _ranks(opts.profile, gpus, model) or quiet
     code = run_ask(opts)
     distributed.finish()
@@ -307,6 +312,8 @@ def profiles_show(name: Annotated[str, typer.Argument(help="Profile name or YAML
 
 
 def main() -> None:
+    # The interpreter's start and this module's imports, up to here.
+    CLOCK.add("startup", time.time() - CLOCK.mark)
     from longctx_cli.ask import StdoutClosed
 
     if hasattr(signal, "SIGTERM"):

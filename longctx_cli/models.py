@@ -15,10 +15,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from longctx_cli.errors import ConfigError, ModelError
 from longctx_cli.home import longctx_home
+
+if TYPE_CHECKING:
+    import torch
 
 EMBEDDED = "gemma3-270m"
 
@@ -96,7 +99,10 @@ def _convert_once(out: Path, convert, progress) -> Path:
         if (problem := check_converted(out)) is not None:
             if out.exists():
                 warn(f"{out}: {problem}; converting the model again")
-            convert()
+            from longctx_cli.clock import CLOCK
+
+            with CLOCK.part("model conversion"):
+                convert()
     finally:
         lock.release()
     return out
@@ -236,6 +242,8 @@ def quiet_libraries() -> None:
 
 
 def pick_device(device: str) -> torch.device:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -244,6 +252,8 @@ def pick_device(device: str) -> torch.device:
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
@@ -300,6 +310,8 @@ def max_context(config) -> int:
 
 
 def _random_model(preset: str, device: torch.device, dtype: torch.dtype):
+    import torch
+
     from transformers import AutoModelForCausalLM
 
     config = load_config(f"random:{preset}")

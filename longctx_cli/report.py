@@ -8,7 +8,6 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 
-import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -23,9 +22,17 @@ class Timings:
     prefill_s: float = 0.0
     first_token_s: float = 0.0  # from the start of prefill to the first answer token
     decode_step_s: list[float] = field(default_factory=list)
+    # The wall clock since the previous report (the first: since the process started), by part, with `other`
+    # for what no part claimed and `total`; the parts add up to `total`.
+    wall: dict[str, float] = field(default_factory=dict)
 
     @property
     def decode_ms_per_token(self) -> float | None:
+        """Mean time per decoded token after the first (what the decode part of the wall clock divides into)."""
+        return 1000 * statistics.fmean(self.decode_step_s) if self.decode_step_s else None
+
+    @property
+    def decode_ms_median(self) -> float | None:
         return 1000 * statistics.median(self.decode_step_s) if self.decode_step_s else None
 
 
@@ -52,7 +59,9 @@ class Report:
         data = asdict(self)
         steps = data["timings"].pop("decode_step_s")
         data["timings"]["decode_ms_per_token"] = self.timings.decode_ms_per_token
+        data["timings"]["decode_ms_median"] = self.timings.decode_ms_median
         data["timings"]["decode_steps"] = len(steps)
+        data["timings"]["wall"] = {f"{k.replace(' ', '_')}_s": round(v, 4) for k, v in self.timings.wall.items()}
         prefill = self.timings.prefill_s
         data["timings"]["prefill_tok_s"] = self.tokens_in / prefill if prefill else None
         if self.random_weights:
@@ -61,12 +70,16 @@ class Report:
 
 
 def reset_peaks() -> None:
+    import torch
+
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         torch.cuda.reset_peak_memory_stats(i)
 
 
 def memory_snapshot(kv_bytes: int = 0) -> dict:
     """Peak GPU bytes per device since the last reset, host peak RSS of this process, KV-cache bytes."""
+    import torch
+
     gpus = {}
     if torch.cuda.is_available():
         gpus = {f"cuda:{i}": torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())}
@@ -95,9 +108,12 @@ def render(report: Report, console: Console | None = None) -> None:
         ("prefill", f"{t.prefill_s:.2f} s  ({report.tokens_in / t.prefill_s:,.0f} tok/s)" if t.prefill_s else
          f"interrupted after {report.prefilled:,} of {report.prefill_total:,} tokens" if report.prefill_total else "-"),
         ("first token", f"{t.first_token_s:.2f} s" if t.first_token_s else "-"),
-        ("decode", f"{t.decode_ms_per_token:.1f} ms/token (median of {len(t.decode_step_s)})"
-         if t.decode_step_s else "-"),
+        ("decode", f"{t.decode_ms_per_token:.1f} ms/token (mean of {len(t.decode_step_s)}, median "
+         f"{t.decode_ms_median:.1f})" if t.decode_step_s else "-"),
     ]
+    if t.wall:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in t.wall.items() if k != "total" and v >= 0.005)
+        rows.append(("wall clock", f"{t.wall['total']:.2f} s: {parts}"))
     for dev, peak in m.get("peak_gpu_bytes", {}).items():
         rows.append((f"peak {dev}", gib(peak)))
     rows += [("host peak RSS", gib(m.get("host_peak_rss_bytes"))), ("KV cache", gib(m.get("kv_cache_bytes")))]
@@ -130,6 +146,7 @@ def _record(record: dict) -> str:
 
 def environment() -> dict:
     """Versions and device, stamped on every JSON result."""
+    import torch
     import transformers
 
     env = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
