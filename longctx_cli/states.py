@@ -1,0 +1,199 @@
+"""Saved document states under `$LONGCTX_HOME/states/`: a document read once is answered again without prefill.
+
+A state file is safetensors (the engine's tensors) whose metadata holds a JSON header: the key's inputs, the
+engine's own scalars and a checksum per tensor. The key covers everything that shapes the state: the model's
+weight and tokenizer files (names, sizes, a hash of each file's header), the engine and its settings, the
+prefill settings (chunk size, dtype, device type) and the document's token ids. Files are written atomically
+(two processes saving one key each write their own temporary file; the last rename wins whole) and verified
+before use: a truncated, corrupted or foreign file is reported in one warning line and recomputed. The folder
+is bounded (`state_cache_gib`): the least recently used states go first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from longctx_cli.home import atomic_file, file_digest, longctx_home
+
+FORMAT = 1
+SUFFIX = ".safetensors"
+_SMALL = 16 << 20  # files hashed whole below this size; larger ones by their header or samples
+
+
+@functools.lru_cache(maxsize=8)
+def model_fingerprint(folder: Path | None, random_preset: str | None = None) -> str:
+    """A cheap identity of a model: every file's name, size and a hash of its header (safetensors), or of the
+    whole file (config, tokenizer), or of samples (other large files). Random presets: their shape and the
+    library versions that draw the weights."""
+    h = hashlib.sha256()
+    if folder is None:
+        import torch
+        import transformers
+
+        from longctx_cli.models import RANDOM_PRESETS
+
+        h.update(json.dumps([random_preset, RANDOM_PRESETS.get(random_preset or ""), torch.__version__,
+                             transformers.__version__], sort_keys=True, default=str).encode())
+        return h.hexdigest()[:24]
+    for path in sorted(p for p in Path(folder).iterdir() if p.is_file() and not p.name.startswith(".")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}:".encode())
+        if path.suffix == SUFFIX:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                h.update(f.read(min(n, 1 << 26)))
+        elif size <= _SMALL:
+            h.update(path.read_bytes())
+        else:
+            h.update(file_digest(path).encode())
+    return h.hexdigest()[:24]
+
+
+def tensor_checksum(t) -> str:
+    """A position-weighted sum of the tensor's 32-bit words, computed where the tensor lives (a GPU state is
+    summed on the GPU): any truncated, shifted or overwritten word changes it."""
+    import torch
+
+    flat = t.detach().contiguous().view(-1)
+    if flat.numel() * flat.element_size() % 4:
+        flat = torch.cat([flat.view(torch.uint8), flat.new_zeros(4, dtype=torch.uint8)[: 4 - flat.numel() *
+                                                                                      flat.element_size() % 4]])
+    words = flat.view(torch.int32).to(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
+    return f"{int((words * weights).sum()) & 0xFFFFFFFFFFFFFFFF:016x}:{words.numel()}"
+
+
+def document_digest(ids) -> str:
+    import torch
+
+    return hashlib.sha256(ids.to(torch.int32).contiguous().numpy().tobytes()).hexdigest()
+
+
+def state_key(inputs: dict) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+@dataclass
+class Saved:
+    key: str
+    path: Path
+    bytes: int
+    seconds: float
+
+
+@dataclass
+class Entry:
+    key: str
+    path: Path
+    bytes: int
+    used: float  # last use, seconds since the epoch
+    header: dict
+
+
+class StateStore:
+    """The states folder: save, load (verified), list, remove, and keep under `limit_bytes`."""
+
+    def __init__(self, root: Path | None = None, limit_bytes: int = 20 << 30):
+        self.root = root or longctx_home() / "states"
+        self.limit_bytes = limit_bytes
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}{SUFFIX}"
+
+    def save(self, key: str, inputs: dict, tensors: dict, meta: dict) -> Saved:
+        """tensors: name -> tensor (any device); meta: the engine's JSON-able scalars."""
+        from safetensors.torch import save_file
+
+        start = time.perf_counter()
+        header = {"format": FORMAT, "key": key, "inputs": inputs, "meta": meta,
+                  "checksums": {name: tensor_checksum(t) for name, t in tensors.items()}}
+        cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+        path = self.path(key)
+        with atomic_file(path) as tmp:
+            save_file(cpu, str(tmp), metadata={"longctx": json.dumps(header, default=str)})
+        size = path.stat().st_size
+        self.evict(keep=key)
+        return Saved(key, path, size, time.perf_counter() - start)
+
+    def load(self, key: str, inputs: dict, device=None) -> tuple[dict, dict, Saved] | None:
+        """(tensors on `device`, meta, what was read), None when there is no such state; raises StateError when
+        the file is there but cannot be used (the caller warns and recomputes)."""
+        from safetensors import SafetensorError, safe_open
+
+        path = self.path(key)
+        if not path.is_file():
+            return None
+        start = time.perf_counter()
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                header = json.loads((f.metadata() or {}).get("longctx", "null"))
+                if not isinstance(header, dict) or header.get("format") != FORMAT:
+                    raise StateError("not a longctx state of this version")
+                if header.get("key") != key or header.get("inputs") != json.loads(json.dumps(inputs, default=str)):
+                    raise StateError("made for other inputs (model, engine, settings or document)")
+                names = set(f.keys())
+                if names != set(header["checksums"]):
+                    raise StateError("tensors missing or extra")
+                tensors = {name: f.get_tensor(name) for name in names}
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
+            raise StateError(f"unreadable ({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})") \
+                from None
+        if device is not None:
+            tensors = {name: t.to(device) for name, t in tensors.items()}
+        for name, t in tensors.items():
+            if tensor_checksum(t) != header["checksums"][name]:
+                raise StateError(f"tensor {name} is corrupted (checksum mismatch)")
+        os.utime(path)  # most recently used: evicted last
+        return tensors, header["meta"], Saved(key, path, path.stat().st_size, time.perf_counter() - start)
+
+    def remove(self, key: str) -> bool:
+        path = self.path(key)
+        existed = path.is_file()
+        path.unlink(missing_ok=True)
+        return existed
+
+    def entries(self) -> list[Entry]:
+        """Every state file, least recently used first (headers only: nothing large is read)."""
+        from safetensors import SafetensorError, safe_open
+
+        out = []
+        for path in self.root.glob(f"*{SUFFIX}") if self.root.is_dir() else []:
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    header = json.loads((f.metadata() or {}).get("longctx", "null")) or {}
+            except (SafetensorError, OSError, ValueError):
+                header = {}
+            stat = path.stat()
+            out.append(Entry(path.name[: -len(SUFFIX)], path, stat.st_size, stat.st_mtime, header))
+        return sorted(out, key=lambda e: e.used)
+
+    def evict(self, keep: str | None = None) -> list[str]:
+        """Remove the least recently used states until the folder fits `limit_bytes` (never `keep`)."""
+        entries = self.entries()
+        total = sum(e.bytes for e in entries)
+        removed = []
+        for entry in entries:
+            if total <= self.limit_bytes:
+                break
+            if entry.key == keep:
+                continue
+            entry.path.unlink(missing_ok=True)
+            total -= entry.bytes
+            removed.append(entry.key)
+        return removed
+
+
+class StateError(Exception):
+    """A state file that exists but cannot be used; the message says why, in a few words."""
+
+
+def settings_of(config) -> dict:
+    """A dataclass's fields as plain JSON values (tuples as lists), for a state key."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
