@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines.sas.analyzer import plan_cache  # noqa: E402
 from engines.sas.parse import parse_pattern  # noqa: E402
 from engines.sas.codegen import triton_visible  # noqa: E402
-from kernels.decode_attention import PositionMask, decode_attention, decode_attention_reference  # noqa: E402
+from kernels.decode_attention import PositionMask, PositionRule, decode_attention, decode_attention_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PATTERNS = ["sas-pattern", "sas-block-local", "sas-sliding-window", "sas-openai-strided", "sas-openai-fixed",
@@ -328,7 +328,7 @@ def decode_one(name: str, n: int, pos: int, slots: int, slot_of, H: int, D: int,
     from torch.nn.attention.flex_attention import create_block_mask
 
     pattern, compiled = pattern_of(name), compiled_slot_mask(name, H)
-    generated = PositionMask(pattern.visible, triton_visible(pattern))
+    generated = PositionRule(pattern.visible, triton_visible(pattern))
     opts = dict(device=dev, dtype=torch.bfloat16)
     scale, flex = D**-0.5, compiled_flex()
     key_pos = slot_positions(slot_of, slots, pos)
@@ -378,12 +378,12 @@ def decode_one(name: str, n: int, pos: int, slots: int, slot_of, H: int, D: int,
     fixed_mask = slot_mask()
     steps = {
         "flex": lambda c: flex(q4, kf[c], vf[c], block_mask=bm, scale=scale),
-        "sas": lambda c: decode_attention(q, ks[c], vs[c], len_slots, scale=scale, key_pos=key_pos_dev,
-                                          q_pos=first.view(1), position_mask=generated),
-        "sas_eager_mask": lambda c: decode_attention(q, ks[c], vs[c], len_slots, scale=scale, key_mask=slot_mask()),
-        "sas_kernel": lambda c: decode_attention(q, ks[c], vs[c], len_slots, scale=scale, key_mask=fixed_mask),
+        "sas": lambda c: decode_attention(q, ks[c], vs[c], len_slots, scale=scale,
+                                          mask=PositionMask(generated, key_pos_dev, first.view(1))),
+        "sas_eager_mask": lambda c: decode_attention(q, ks[c], vs[c], len_slots, scale=scale, mask=slot_mask()),
+        "sas_kernel": lambda c: decode_attention(q, ks[c], vs[c], len_slots, scale=scale, mask=fixed_mask),
         "sas_compiled_mask": lambda c: decode_attention(q, ks[c], vs[c], len_slots, scale=scale,
-                                                        key_mask=compiled(pos_dev, key_pos_dev)),
+                                                        mask=compiled(pos_dev, key_pos_dev)),
         "dense": lambda c: decode_attention(q, kf[c], vf[c], len_dense, scale=scale),
     }
     copies["sas_kernel"] = copies["sas_compiled_mask"] = copies["sas_eager_mask"] = copies["sas"]
@@ -400,7 +400,7 @@ def decode_one(name: str, n: int, pos: int, slots: int, slot_of, H: int, D: int,
             eager[m] = bench(lambda step=step: step(0))["ms"]
     ref = decode_attention_reference(q, kf[0], vf[0], torch.full((1,), n, dtype=torch.long, device=dev),
                                      scale=scale, q_first=torch.full((1,), pos, dtype=torch.long, device=dev),
-                                     key_mask=pattern.visible(first, torch.arange(n, device=dev)).expand(1, H, n)
+                                     mask=pattern.visible(first, torch.arange(n, device=dev)).expand(1, H, n)
                                      .contiguous())
     diffs = {m: (outs[m].reshape(ref.shape).float() - ref.float()).abs().max().item()
              for m in ("flex", "sas", "sas_eager_mask", "sas_compiled_mask")}

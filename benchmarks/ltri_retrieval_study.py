@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines import ENGINES  # noqa: E402
 from engines.decoding import Sampler  # noqa: E402
 from longctx_cli.accuracy import PromptBuilder, _ids  # noqa: E402
-from longctx_cli.models import load_model  # noqa: E402
+from longctx_cli.models import load_model, longctx_home  # noqa: E402
 from longctx_cli.profiles import parse_override, resolve_profile  # noqa: E402
 from longctx_cli.report import run_stamp  # noqa: E402
 from longctx_cli.prompt import AnswerText  # noqa: E402
@@ -167,11 +167,11 @@ def main() -> None:
                      f"{n_layers} layers (0 to {n_layers - 1})")
     prof = resolve_profile("ltri-stream", overrides)
     cfg = prof.engine_config
-    engine = ENGINES["ltri-stream"](lm, cfg, prof.run)
+    engine = ENGINES["ltri-stream"](lm, cfg, prof.run, home=longctx_home())
     dense = None
     if args.exact_kv:
         dprof = resolve_profile("dense", {"chunk_size": args.chunk_size})
-        dense = ENGINES["dense"](lm, dprof.engine_config, dprof.run)
+        dense = ENGINES["dense"](lm, dprof.engine_config, dprof.run, home=longctx_home())
     builder = PromptBuilder(lm.tokenizer, "auto", [])
     forced: list[int] = []
     barred: list[int] = []
@@ -195,7 +195,7 @@ def main() -> None:
         retrieve = engine.indexer.retrieve
 
         def diagnosed(layer, layer_idx, query, key, scaling, cache):
-            if forced_question and layer.memory.n_blocks > cfg.top_k_for(layer_idx):
+            if forced_question and layer.memory.n_blocks > cfg.top_k:
                 diagnosis[layer_idx] = _needle_ranks(engine.indexer, layer, layer_idx, query, key, scaling, cache,
                                                      forced_question)
             return retrieve(layer, layer_idx, query, key, scaling, cache)

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from engines import ENGINES
 from engines.decoding import Sampler, swapped
-from longctx_cli.models import load_model
+from longctx_cli.models import load_model, longctx_home
 from longctx_cli.plan import parse_count
 from longctx_cli.profiles import resolve_profile
 
@@ -72,7 +72,7 @@ def main() -> None:
     lm = load_model(args.model, device="cuda", dtype="bfloat16")
     prof = resolve_profile(args.profile, {"compile_decode": args.compile == "blocks",
                                           "fuse_projections": not args.no_fuse})
-    engine = ENGINES[prof.engine](lm, prof.engine_config, prof.run)
+    engine = ENGINES[prof.engine](lm, prof.engine_config, prof.run, home=longctx_home())
     ids = torch.randint(1000, 20000, (parse_count(args.length),))
     state = engine.prefill(ids, reserve=args.steps + 64)
     if args.compile == "layer":

@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engines import ENGINES
-from longctx_cli.models import load_model
+from longctx_cli.models import load_model, longctx_home
 from longctx_cli.plan import parse_count
 from longctx_cli.profiles import resolve_profile
 
@@ -25,7 +25,7 @@ def main() -> None:
     ids = torch.randint(1000, 20000, (n,))
     for chunk in map(int, args.chunks.split(",")):
         prof = resolve_profile("dense", {"chunk_size": chunk})
-        engine = ENGINES["dense"](lm, prof.engine_config, prof.run)
+        engine = ENGINES["dense"](lm, prof.engine_config, prof.run, home=longctx_home())
         t = time.perf_counter()
         engine.prefill(ids, reserve=16)  # warm-up: compilation, kernel plans for every chunk's shapes
         torch.cuda.synchronize()

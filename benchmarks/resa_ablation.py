@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines import ENGINES  # noqa: E402
-from longctx_cli.models import load_model  # noqa: E402
+from longctx_cli.models import load_model, longctx_home  # noqa: E402
 from longctx_cli.profiles import resolve_profile  # noqa: E402
 from longctx_cli.report import environment  # noqa: E402
 
@@ -69,7 +69,7 @@ def main() -> None:
                 overrides = {**overrides, "keep_ratio": args.keep_ratio}
             prof = resolve_profile(profile, overrides)
             used[name] = {"profile": profile, **dataclasses.asdict(prof.engine_config)}
-            engine = ENGINES[prof.engine](lm, prof.engine_config, prof.run)
+            engine = ENGINES[prof.engine](lm, prof.engine_config, prof.run, home=longctx_home())
             state = engine.prefill(doc, reserve=len(targets))
             nll[name].append(engine.teacher_forced_nll(state, torch.tensor([], dtype=torch.long), targets))
             print(f"passage {i}: {name}: mean NLL {sum(nll[name][-1]) / len(targets):.4f}", flush=True)

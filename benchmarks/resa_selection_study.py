@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engines.resa as resa_module  # noqa: E402
 from engines import ENGINES  # noqa: E402
 from engines.decoding import Sampler  # noqa: E402
+from kernels import cdiv  # noqa: E402
 from kernels.block_select import KeepRule  # noqa: E402
 from longctx_cli.accuracy import PromptBuilder, _ids  # noqa: E402
-from longctx_cli.models import load_model  # noqa: E402
+from longctx_cli.models import load_model, longctx_home  # noqa: E402
 from longctx_cli.profiles import resolve_profile  # noqa: E402
 from longctx_cli.report import run_stamp  # noqa: E402
 from longctx_cli.prompt import AnswerText  # noqa: E402
@@ -41,7 +42,7 @@ RULES = ("mean", "max", "softmax", "maxnorm", "centroid", "hybrid", "oracle")
 
 def block_extrema(k: torch.Tensor, n: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """k: [Hkv, S, D] -> kmax, kmin [Hkv, NB, D] over the first n keys."""
-    nb = -(-n // bs)
+    nb = cdiv(n, bs)
     pad = nb * bs - n
     kk = k[:, :n].float()
     hi = torch.nn.functional.pad(kk, (0, 0, 0, pad), value=float("-inf")).view(k.shape[0], nb, bs, -1).amax(2)
@@ -84,7 +85,7 @@ class Recorder:
         logits = torch.einsum("hgd,hsd->hgs", qg, k) * scale
         probs = torch.softmax(logits, -1)
         dense_out = torch.einsum("hgs,hsd->hgd", probs, v)
-        nb = -(-n // self.bs)
+        nb = cdiv(n, self.bs)
         pad = nb * self.bs - n
         pb = torch.nn.functional.pad(probs, (0, pad)).view(Hkv, -1, nb, self.bs).sum(-1)  # [Hkv, G, NB]
         hi, lo = block_extrema(key[0], n, self.bs)
@@ -127,7 +128,7 @@ def main() -> None:
 
     lm = load_model(None, device="auto", dtype="auto")
     prof = resolve_profile("resa", {"keep_ratio": 1.0, "rectify_every": 0})
-    engine = ENGINES["resa"](lm, prof.engine_config, prof.run)
+    engine = ENGINES["resa"](lm, prof.engine_config, prof.run, home=longctx_home())
     cfg = prof.engine_config
     rec = Recorder(KeepRule(args.keep_ratio, cfg.min_blocks, cfg.local_blocks, cfg.sink_blocks), cfg.block_size)
     resa_module.sparse_decode_attention = rec

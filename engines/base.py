@@ -16,12 +16,13 @@ import time
 from abc import ABC
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import torch
 from transformers.modeling_utils import AttentionInterface
 
-from engines.cache import StaticKVCache, layer_types
+from engines.cache import StaticKVCache, head_dim, kv_token_bytes, layer_types
 from engines.decode_blocks import DecodeBlocks
 from engines.decoding import DecodeStep, Sampler
 from kernels.chunk_attention import chunk_attention
@@ -54,33 +55,50 @@ def exact_attention(query, key, value, scaling, sliding_window, cache):
     return chunk_attention(query, key, value, cache.offset, scale=scaling, window=sliding_window).transpose(1, 2)
 
 
+def require(ok: bool, name: str, value, expected: str) -> None:
+    """How engine configs validate a field in `__post_init__`: a ValueError that names it."""
+    if not ok:
+        raise ValueError(f"bad value for {name}: {value!r}; expected {expected}")
+
+
 class EngineInputError(ValueError):
     """A document this engine's configuration cannot take (e.g. star: more ranks than blocks); one line."""
 
 
-def outside_engine_error() -> RuntimeError:
-    # transformers builds no mask for a registered attention function, so running it outside an engine's own
-    # forward (e.g. `model.generate`) would silently drop causal and sliding-window masking.
-    return RuntimeError("longctx attention called outside an engine's forward; switch the model back first: "
-                        "model.set_attn_implementation('sdpa')")
+def _inside_engine(attention):
+    """The attention function registered with transformers: refuses calls without an engine's cache.
+
+    transformers builds no mask for a registered attention function, so running it outside an engine's own
+    forward (e.g. `model.generate`) would silently drop causal and sliding-window masking."""
+
+    def guarded(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
+                **kwargs):
+        if longctx is None:
+            raise RuntimeError("longctx attention called outside an engine's forward; switch the model back "
+                               "first: model.set_attn_implementation('sdpa')")
+        return attention(module, query, key, value, attention_mask, scaling=scaling,
+                         sliding_window=sliding_window, longctx=longctx, **kwargs)
+
+    return guarded
 
 
 class Engine(ABC):
     name: ClassVar[str]
     Config: ClassVar[type]
 
-    def __init__(self, lm, config, run):
-        self.lm, self.config, self.run = lm, config, run
+    def __init__(self, lm, config, run, *, home: Path | None = None):
+        """home: where the engine may keep what it derives once per model (e.g. ltri's retrieval heads);
+        None: nothing is kept on disk."""
+        self.lm, self.config, self.run, self.home = lm, config, run, home
         self.model = lm.model
         self.text_config = self.model.config.get_text_config(decoder=True)
         if getattr(self.text_config, "attn_logit_softcapping", None):
             raise NotImplementedError(f"{self.name}: attention logit soft-capping is not supported")
         self._impl = f"longctx_{self.name.replace('-', '_')}"
-        AttentionInterface.register(self._impl, type(self).attention)
+        AttentionInterface.register(self._impl, _inside_engine(type(self).attention))
         self.activate()
         self.device = self.model.get_input_embeddings().weight.device
-        self.head_dim = getattr(self.text_config, "head_dim", None) or (
-            self.text_config.hidden_size // self.text_config.num_attention_heads)
+        self.head_dim = head_dim(self.model.config)
         self.has_sliding_layers = "sliding_attention" in layer_types(self.model.config)
         self.single_device = len({p.device for p in self.model.parameters()}) == 1
         self._blocks: dict[bool, DecodeBlocks] = {}
@@ -97,11 +115,11 @@ class Engine(ABC):
             self.model.set_attn_implementation(self._impl)
 
     @classmethod
-    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
-        """Bytes of engine state (here the KV cache) for n_tokens (prompt + answer), summed over devices."""
-        text = model_config.get_text_config(decoder=True)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * n_tokens * dtype_bytes
+    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None, *, chunk_size: int,
+                    reserve: int) -> int:
+        """Bytes of engine state (here the KV cache) for n_tokens (prompt + answer), summed over devices: what
+        `prefill(ids, reserve=reserve)` of n_tokens - reserve tokens allocates with this chunk_size."""
+        return len(layer_types(model_config)) * kv_token_bytes(model_config, dtype_bytes) * n_tokens
 
     @classmethod
     def plan_notes(cls, model_config, n_tokens: int, engine_config=None) -> list[str]:
@@ -111,14 +129,12 @@ class Engine(ABC):
     @classmethod
     def kv_read_bytes(cls, model_config, n_tokens: int, dtype_bytes: int) -> int:
         """Bytes of KV one decode step reads at context n_tokens (sliding-window layers read their window)."""
-        text = model_config.get_text_config(decoder=True)
-        types = layer_types(model_config)
-        window = getattr(text, "sliding_window", None) or n_tokens
-        per_token_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // text.num_hidden_layers
-        return sum(per_token_layer * (min(window, n_tokens) if t == "sliding_attention" else n_tokens)
-                   for t in types)
+        window = getattr(model_config.get_text_config(decoder=True), "sliding_window", None) or n_tokens
+        return kv_token_bytes(model_config, dtype_bytes) * sum(
+            min(window, n_tokens) if t == "sliding_attention" else n_tokens for t in layer_types(model_config))
 
-    def make_cache(self, capacity: int) -> StaticKVCache:
+    def make_cache(self, capacity: int, reserve: int) -> StaticKVCache:
+        """The cache for a document of capacity - reserve tokens and reserve more (the question, the answer)."""
         return StaticKVCache(self.model.config, capacity)
 
     def backends(self) -> dict[str, str]:
@@ -132,15 +148,17 @@ class Engine(ABC):
         return out.logits
 
     @torch.inference_mode()
-    def _extend(self, cache, ids: torch.Tensor, start: int,
-                progress: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Encode ids [N] at positions start.. in chunks of `chunk_size`; returns the last logits [1, V]."""
+    def _extend(self, cache, ids: torch.Tensor, start: int, progress: Callable[[int], None] | None = None, *,
+                slot: int | None = None) -> torch.Tensor:
+        """Encode ids [N] at positions start.. in chunks of `chunk_size`, their K/V into cache slots slot..
+        (default: the positions); returns the last logits [1, V]."""
         chunk = self.run.chunk_size
+        slot = start if slot is None else slot
         logits = None
         for lo in range(0, ids.numel(), chunk):
             piece = ids[lo:lo + chunk].to(self.device, torch.long).view(1, -1)
             positions = torch.arange(start + lo, start + lo + piece.shape[1], device=self.device).view(1, -1)
-            cache.begin_chunk(start + lo, piece.shape[1])
+            cache.begin_chunk(slot + lo, piece.shape[1])
             logits = self._forward(cache, piece, positions)
             if progress is not None:
                 progress(piece.shape[1])
@@ -151,9 +169,9 @@ class Engine(ABC):
         """ids: [N] token ids of the document; reserve: room for the question and the answer."""
         self.activate()
         start = time.perf_counter()
-        cache = self.make_cache(ids.numel() + reserve)
+        cache = self.make_cache(ids.numel() + reserve, reserve)
         logits = self._extend(cache, ids, 0, progress)
-        _sync(self.device)
+        synchronize(self.device)
         return DocumentState(cache, ids.numel(), ids.numel(), logits, time.perf_counter() - start)
 
     def _encode_question(self, state: DocumentState, question_ids: torch.Tensor, n_new: int) -> torch.Tensor:
@@ -245,6 +263,6 @@ class Engine(ABC):
                 **self.backends(), **state.counters}
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

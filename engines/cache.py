@@ -21,6 +21,21 @@ def layer_types(config) -> list[str]:
     return getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
 
 
+def full_layers(config) -> list[int]:
+    """Indices of the layers that attend to the whole sequence (those engines approximate)."""
+    return [i for i, t in enumerate(layer_types(config)) if t != "sliding_attention"]
+
+
+def head_dim(config) -> int:
+    text = config.get_text_config(decoder=True)
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def kv_token_bytes(config, dtype_bytes: int) -> int:
+    """K and V bytes of one token in one layer."""
+    return 2 * config.get_text_config(decoder=True).num_key_value_heads * head_dim(config) * dtype_bytes
+
+
 def seq_major_buffer(batch: int, capacity: int, heads: int, dim: int, dtype, device) -> torch.Tensor:
     """Zeros stored [B, capacity, H, D], returned as the [B, H, capacity, D] view every kernel takes."""
     return torch.zeros(batch, capacity, heads, dim, dtype=dtype, device=device).transpose(1, 2)
@@ -43,7 +58,7 @@ class StaticKVLayer(CacheLayerMixin):
         # kernels that multiply masked probabilities with whole V tiles. Stored seq-major [B, capacity, Hkv, D]
         # and handed out as [B, Hkv, capacity, D] views: no stride but the batch's depends on the capacity, so
         # cuDNN's prefill plans (keyed by strides) serve every document length, not just one capacity
-        # (results/2026-11-23_h100_cudnn_plan_reuse_*.json: 3-4 s of plan builds per new capacity at 128K in the
+        # (benchmarks/cudnn_plan_reuse.py on an H100: 3-4 s of plan builds per new capacity at 128K in the
         # head-major layout).
         self.keys = seq_major_buffer(batch, self.capacity, heads, k_dim, self.dtype, self.device)
         self.values = seq_major_buffer(batch, self.capacity, heads, value_states.shape[-1], self.dtype,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines.base import Engine, exact_attention, outside_engine_error
+from engines.base import Engine, exact_attention
 from kernels.chunk_attention import chunk_attention_backend
 from kernels.decode_attention import decode_backend
 
@@ -26,8 +26,6 @@ class DenseEngine(Engine):
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
                   **kwargs):
-        if longctx is None:
-            raise outside_engine_error()
         return exact_attention(query, key, value, scaling, sliding_window, longctx), None
 
     def backends(self) -> dict[str, str]:

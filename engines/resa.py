@@ -1,4 +1,4 @@
-"""`resa`: Rectified Sparse Attention (../shared/papers/resa-rectified-sparse-attention.txt).
+"""`resa`: ReSA, "Rectified Sparse Attention" (Sun et al., 2025).
 
 - Prefill: dense and chunked, as `dense`; every chunk also refreshes the min/max key descriptors of the blocks
   it wrote (kernels/block_descriptors).
@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.base import DocumentState, Engine, outside_engine_error
-from engines.cache import StaticKVCache, StaticKVLayer, layer_types
+from engines.base import DocumentState, Engine, require
+from engines.cache import StaticKVCache, StaticKVLayer, full_layers, kv_token_bytes, layer_types
 from engines.decoding import StaticForward
+from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors
 from kernels.block_select import POOLINGS, KeepRule, select_blocks
 from kernels.chunk_attention import chunk_attention, chunk_attention_backend
@@ -58,22 +59,15 @@ class ResaConfig:
     centroid: bool = False
 
     def __post_init__(self):
-        if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 64:
-            raise ValueError(f"bad value for block_size: {self.block_size!r}; expected a power of two in [1, 64]")
-        if not 0 < self.keep_ratio <= 1:
-            raise ValueError(f"bad value for keep_ratio: {self.keep_ratio!r}; expected a number in (0, 1]")
-        if self.local_blocks < 1:
-            raise ValueError(f"bad value for local_blocks: {self.local_blocks!r}; expected an integer >= 1")
-        if self.sink_blocks < 0:
-            raise ValueError(f"bad value for sink_blocks: {self.sink_blocks!r}; expected an integer >= 0")
-        if self.min_blocks < self.local_blocks + self.sink_blocks:
-            raise ValueError(f"bad value for min_blocks: {self.min_blocks!r}; expected an integer >= local_blocks + "
-                             f"sink_blocks ({self.local_blocks + self.sink_blocks})")
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"bad value for pooling: {self.pooling!r}; expected one of {', '.join(POOLINGS)}")
-        if self.rectify_every < 0:
-            raise ValueError(f"bad value for rectify_every: {self.rectify_every!r}; expected an integer >= 0 "
-                             "(0 = never)")
+        require(1 <= self.block_size <= 64 and not self.block_size & (self.block_size - 1), "block_size",
+                self.block_size, "a power of two in [1, 64]")
+        require(0 < self.keep_ratio <= 1, "keep_ratio", self.keep_ratio, "a number in (0, 1]")
+        require(self.local_blocks >= 1, "local_blocks", self.local_blocks, "an integer >= 1")
+        require(self.sink_blocks >= 0, "sink_blocks", self.sink_blocks, "an integer >= 0")
+        require(self.min_blocks >= self.local_blocks + self.sink_blocks, "min_blocks", self.min_blocks,
+                f"an integer >= local_blocks + sink_blocks ({self.local_blocks + self.sink_blocks})")
+        require(self.pooling in POOLINGS, "pooling", self.pooling, f"one of {', '.join(POOLINGS)}")
+        require(self.rectify_every >= 0, "rectify_every", self.rectify_every, "an integer >= 0 (0 = never)")
 
     @property
     def rule(self) -> KeepRule:
@@ -88,7 +82,7 @@ class ResaKVLayer(StaticKVLayer):
         super().lazy_initialization(key_states, value_states)
         if not self.is_sliding:
             batch, heads, _, dim = key_states.shape
-            n_blocks = -(-self.capacity // self.owner.block_size)
+            n_blocks = cdiv(self.capacity, self.owner.block_size)
             self.kmax = torch.zeros(batch, heads, n_blocks, dim, dtype=self.dtype, device=self.device)
             self.kmin = torch.zeros_like(self.kmax)
             self.kmean = torch.zeros_like(self.kmax) if self.owner.rule.centroid else None
@@ -106,7 +100,7 @@ class ResaKVCache(StaticKVCache):
     def __init__(self, config, capacity: int, resa: ResaConfig):
         self.block_size, self.rule = resa.block_size, resa.rule
         # Static selection width: the blocks kept at full capacity (never fewer than at any shorter length).
-        self.width = self.rule.keep(-(-capacity // resa.block_size))
+        self.width = self.rule.keep(cdiv(capacity, resa.block_size))
         self.timed = False  # CPU: time estimation and sparse attention (synchronous there)
         self.times = {"estimation_s": 0.0, "sparse_attention_s": 0.0}
         super().__init__(config, capacity)
@@ -115,16 +109,6 @@ class ResaKVCache(StaticKVCache):
         super().begin_chunk(offset, n)
         # The descriptor update reads the valid length from a tensor, in chunks as in decode steps.
         self._length = {torch.device("cpu"): torch.tensor([offset + n])}
-
-
-def _covered_layers(config) -> int:
-    """Layers resa decodes sparsely: the full-attention ones."""
-    return sum(t != "sliding_attention" for t in layer_types(config))
-
-
-def _token_bytes_per_layer(config, dtype_bytes: int) -> int:
-    """K and V bytes of one token in one layer."""
-    return Engine.memory_plan(config, 1, dtype_bytes) // config.get_text_config(decoder=True).num_hidden_layers
 
 
 def _describe(layer: ResaKVLayer, key: torch.Tensor, length: torch.Tensor, n_new: int, block_size: int) -> None:
@@ -145,8 +129,6 @@ class ResaEngine(Engine):
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
                   **kwargs):
-        if longctx is None:
-            raise outside_engine_error()
         layer = longctx.layers[module.layer_idx]
         length = longctx.length_on(query.device)
         n_new = query.shape[2]
@@ -171,31 +153,33 @@ class ResaEngine(Engine):
         _clock(longctx, "sparse_attention_s", start)
         return out.unsqueeze(1), None
 
-    def make_cache(self, capacity: int) -> ResaKVCache:
+    def make_cache(self, capacity: int, reserve: int) -> ResaKVCache:
         cache = ResaKVCache(self.model.config, capacity, self.config)
         cache.timed = self.device.type == "cpu"
         return cache
 
     @classmethod
-    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
+    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None, *, chunk_size: int,
+                    reserve: int) -> int:
         """The KV cache plus, on full-attention layers, max and min descriptors: 2/block_size of the keys (and
         the mean: 3/block_size, with centroid)."""
         cfg = engine_config or ResaConfig()
-        n_blocks = -(-n_tokens // cfg.block_size)
+        n_blocks = cdiv(n_tokens, cfg.block_size)
         # A block's max and min keys together take the bytes of one token's K and V; the mean half of that.
-        descriptors = _covered_layers(model_config) * _token_bytes_per_layer(model_config, dtype_bytes) * n_blocks
+        descriptors = len(full_layers(model_config)) * kv_token_bytes(model_config, dtype_bytes) * n_blocks
         descriptors += descriptors // 2 if cfg.centroid else 0
-        return super().memory_plan(model_config, n_tokens, dtype_bytes) + descriptors
+        return super().memory_plan(model_config, n_tokens, dtype_bytes, chunk_size=chunk_size,
+                                   reserve=reserve) + descriptors
 
     def kv_read_bytes(self, model_config, n_tokens: int, dtype_bytes: int) -> int:
         """Per decode step: kept blocks + descriptors on covered layers, windows elsewhere, plus 1/f of the
         dense rectification pass over the whole cache (amortised)."""
         block, every = self.config.block_size, self.config.rectify_every
-        n_blocks = -(-n_tokens // block)
+        n_blocks = cdiv(n_tokens, block)
         kept = min(n_tokens, self.config.rule.keep(n_blocks) * block)
         described = n_blocks * 3 // 2 if self.config.centroid else n_blocks  # max + min (+ mean) of K
         sparse = kept + described + (n_tokens // every if every else 0)  # token equivalents per covered layer
-        covered = _covered_layers(model_config) * _token_bytes_per_layer(model_config, dtype_bytes)
+        covered = len(full_layers(model_config)) * kv_token_bytes(model_config, dtype_bytes)
         return Engine.kv_read_bytes(model_config, n_tokens, dtype_bytes) + covered * (sparse - n_tokens)
 
     def backends(self) -> dict[str, str]:
@@ -223,7 +207,7 @@ class ResaEngine(Engine):
         length = state.position + 1
         data["steps"] += 1
         data["context_tokens"] += length
-        data["kept_tokens"] += min(length, self.config.rule.keep(-(-length // self.config.block_size))
+        data["kept_tokens"] += min(length, self.config.rule.keep(cdiv(length, self.config.block_size))
                                    * self.config.block_size)
         rectify = data.get("rectify")
         if rectify is None:
@@ -247,7 +231,7 @@ class ResaEngine(Engine):
 
     def counters(self, state: DocumentState) -> dict:
         data = state.engine_data
-        covered, total = _covered_layers(self.model.config), len(layer_types(self.model.config))
+        covered, total = len(full_layers(self.model.config)), len(layer_types(self.model.config))
         out = {**super().counters(state),
                "sparse_layers": f"{covered}/{total}" + ("" if covered == total else
                                                        " (sliding-window layers stay exact)"),
@@ -259,7 +243,7 @@ class ResaEngine(Engine):
         if not steps:
             return out
         rectify_s = data["rectify_s"] + sum(b.elapsed_time(e) for b, e in data["rectify_events"]) / 1000
-        n_blocks = -(-state.position // self.config.block_size)
+        n_blocks = cdiv(state.position, self.config.block_size)
         out.update(decode_steps=steps, blocks_kept_last_step=self.config.rule.keep(n_blocks),
                    blocks_total_last_step=n_blocks,
                    kv_fraction_read=round(data["kept_tokens"] / data["context_tokens"], 4),

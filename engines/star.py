@@ -21,15 +21,16 @@ positions p0 .. p1, slot = position - shift), then on the query rank the questio
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from engines.base import DocumentState, Engine, EngineInputError, exact_attention, outside_engine_error
+from engines.base import DocumentState, Engine, EngineInputError, exact_attention, require, synchronize
 from engines.cache import StaticKVCache, StaticKVLayer
+from kernels import cdiv
 from kernels.chunk_attention import chunk_attention_backend
 from kernels.decode_attention import decode_attention, decode_backend, merge_partials
 
@@ -43,15 +44,13 @@ class StarConfig:
     anchor_size: int | None = None  # tokens of the anchor (the document's start); None = the block size
 
     def __post_init__(self):
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"bad value for block_size: {self.block_size!r}; expected an integer >= 1 or null")
-        if self.blocks < 1:
-            raise ValueError(f"bad value for blocks: {self.blocks!r}; expected an integer >= 1")
-        if self.anchor_size is not None and self.anchor_size < 1:
-            raise ValueError(f"bad value for anchor_size: {self.anchor_size!r}; expected an integer >= 1 or null")
-        if self.anchor_size is not None and self.block_size is not None and self.anchor_size > self.block_size:
-            raise ValueError(f"bad value for anchor_size: {self.anchor_size}; it must not exceed block_size "
-                             f"({self.block_size})")
+        require(self.block_size is None or self.block_size >= 1, "block_size", self.block_size,
+                "an integer >= 1 or null")
+        require(self.blocks >= 1, "blocks", self.blocks, "an integer >= 1")
+        require(self.anchor_size is None or self.anchor_size >= 1, "anchor_size", self.anchor_size,
+                "an integer >= 1 or null")
+        require(self.anchor_size is None or self.block_size is None or self.anchor_size <= self.block_size,
+                "anchor_size", self.anchor_size, f"at most block_size ({self.block_size})")
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ def plan_blocks(n_tokens: int, config: StarConfig, world: int = 1) -> StarLayout
                 "block is plain dense attention: lower block_size, or use blocks: N")
         size = config.block_size
     else:
-        size = math.ceil(n_tokens / config.blocks)
+        size = cdiv(n_tokens, config.blocks)
     bounds = tuple((lo, min(lo + size, n_tokens)) for lo in range(0, n_tokens, size))
     anchor = size if config.anchor_size is None else config.anchor_size
     if anchor > size:
@@ -181,8 +180,8 @@ class StarEngine(Engine):
     name = "star"
     Config = StarConfig
 
-    def __init__(self, lm, config, run):
-        super().__init__(lm, config, run)
+    def __init__(self, lm, config, run, *, home: Path | None = None):
+        super().__init__(lm, config, run, home=home)
         initialised = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size() if initialised else 1
         self.rank = dist.get_rank() if initialised else 0
@@ -191,8 +190,6 @@ class StarEngine(Engine):
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
                   **kwargs):
-        if longctx is None:
-            raise outside_engine_error()
         if longctx.phase == 1 and longctx.sync is not None:
             longctx.sync(key, value, sliding_window, is_source=longctx.kv_start == 0)
         if longctx.phase == 1 or longctx.world == 1:
@@ -218,16 +215,18 @@ class StarEngine(Engine):
         return _gather_merge(out, lse, cache.world)
 
     @classmethod
-    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
+    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None, *, chunk_size: int,
+                    reserve: int) -> int:
         """One process: the whole cache plus a scratch [anchor | block] for the blocks after the first."""
         try:
-            layout = plan_blocks(n_tokens, engine_config or StarConfig())
+            layout = plan_blocks(n_tokens - reserve, engine_config or StarConfig())
         except EngineInputError:
             layout = None  # refused at prefill with the reason; plan the cache alone
         scratch = 0
         if layout is not None and len(layout.bounds) > 1:
-            scratch = layout.anchor + max(hi - lo for lo, hi in layout.bounds)
-        return super().memory_plan(model_config, n_tokens + scratch, dtype_bytes)
+            scratch = layout.anchor + max(hi - lo for lo, hi in layout.bounds[1:])
+        return super().memory_plan(model_config, n_tokens + scratch, dtype_bytes, chunk_size=chunk_size,
+                                   reserve=reserve)
 
     def backends(self) -> dict[str, str]:
         return {"prefill_attention": chunk_attention_backend(self.device, self.has_sliding_layers, self.head_dim),
@@ -241,22 +240,19 @@ class StarEngine(Engine):
         `sync` rides on one chunk's forward: the first (a receiver's first block), or with sync_last the last
         (the source's chunk that completes the anchor).
         """
-        chunk = self.run.chunk_size
-        starts = range(0, ids.numel(), chunk)
+        if sync is None:
+            return self._extend(cache, ids, position, progress, slot=slot)
+        n, chunk = ids.numel(), self.run.chunk_size
+        cut = (n - 1) // chunk * chunk if sync_last else min(chunk, n)
         logits = None
-        for lo in starts:
-            piece = ids[lo:lo + chunk].to(self.device, torch.long).view(1, -1)
-            n = piece.shape[1]
-            positions = torch.arange(position + lo, position + lo + n, device=self.device).view(1, -1)
-            cache.begin_chunk(slot + lo, n)
-            cache.sync = sync if lo == (starts[-1] if sync_last else 0) else None
-            try:
-                logits = self._forward(cache, piece, positions)
-            finally:
-                cache.sync = None
-            if progress is not None:
-                progress(n)
-        return logits[:, -1].float()
+        for lo, hi, synced in ((0, cut, not sync_last), (cut, n, sync_last)):
+            if hi > lo:
+                cache.sync = sync if synced else None
+                try:
+                    logits = self._extend(cache, ids[lo:hi], position + lo, progress, slot=slot + lo)
+                finally:
+                    cache.sync = None
+        return logits
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, *, reserve: int, progress=None) -> DocumentState:
@@ -283,9 +279,10 @@ class StarEngine(Engine):
         else:
             # The first chunk receives the anchor into slots [0, a), layer by layer, before attending to it.
             logits = self._encode(cache, ids[p0:hi], p0, a, progress, sync=sync)
+        scratch_bytes = 0
         if len(mine) > 1:
-            logits = self._encode_later_blocks(cache, ids, layout, mine[1:], progress)
-        _sync_device(self.device)
+            logits, scratch_bytes = self._encode_later_blocks(cache, ids, layout, mine[1:], progress)
+        synchronize(self.device)
         phase1_s = time.perf_counter() - start
         if self.world > 1:
             # Every rank's logits become the query rank's: the document's end is there.
@@ -295,13 +292,15 @@ class StarEngine(Engine):
         state = DocumentState(cache, ids.numel(), ids.numel(), logits, time.perf_counter() - start)
         state.engine_data["layout"] = layout
         state.counters.update(star_blocks=len(layout.bounds), star_block_tokens=layout.bounds[0][1],
-                              star_anchor_tokens=a, star_ranks=self.world)
+                              star_anchor_tokens=a, star_ranks=self.world, star_scratch_bytes=scratch_bytes)
         state.engine_data["rank"] = {"blocks": len(mine), "context_tokens": p1 - p0, "phase1_s": phase1_s,
                                      "anchor_broadcast_bytes": sync.sent_bytes if sync else 0}
         return state
 
-    def _encode_later_blocks(self, cache: StarCache, ids, layout: StarLayout, blocks, progress) -> torch.Tensor:
-        """Blocks after a rank's first: each encoded in a scratch [anchor | block], its K/V then copied home."""
+    def _encode_later_blocks(self, cache: StarCache, ids, layout: StarLayout, blocks,
+                             progress) -> tuple[torch.Tensor, int]:
+        """Blocks after a rank's first: each encoded in a scratch [anchor | block], its K/V then copied home.
+        Returns the last logits [1, V] and the scratch's bytes."""
         a = layout.anchor
         size = max(layout.bounds[j][1] - layout.bounds[j][0] for j in blocks)
         scratch = StarCache(self.model.config, a + size, kv_start=0, n_context=0, shift=0, world=1,
@@ -318,7 +317,7 @@ class StarEngine(Engine):
             for home, layer in zip(cache.layers, scratch.layers):
                 home.keys[:, :, slot:slot + hi - lo].copy_(layer.keys[:, :, a:a + hi - lo])
                 home.values[:, :, slot:slot + hi - lo].copy_(layer.values[:, :, a:a + hi - lo])
-        return logits
+        return logits, scratch.nbytes()
 
     def _encode_question(self, state: DocumentState, question_ids: torch.Tensor, n_new: int) -> torch.Tensor:
         """Phase 2 for the question: every rank runs it; the query rank keeps its K/V."""
@@ -343,7 +342,7 @@ class StarEngine(Engine):
                 produced += 1
                 yield token
         finally:
-            _sync_device(self.device)
+            synchronize(self.device)
             rank = state.engine_data["rank"]
             rank["phase2_s"] = time.perf_counter() - start
             # Forwards in phase 2: the question, then one per generated token after the first.
@@ -374,7 +373,3 @@ def _check_same_document(ids: torch.Tensor, device: torch.device) -> None:
         raise EngineInputError("star: the ranks read different documents (token counts or checksums differ); "
                                "every host must see the same input")
 
-
-def _sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

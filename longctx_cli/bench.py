@@ -1,11 +1,10 @@
 """`longctx bench`: speed of a profile's engine next to a baseline, on the same synthetic contexts.
 
 Per engine and length: prefill seconds (after a warm-up prefill that absorbs compilation; `--warmup` can make
-it shorter), decode ms/token
-(the mean over `steps` steps after warm-up steps that absorb graph capture: a mean, so that periodic work such
-as resa's rectification is amortised; median and deciles too), peak memory, and on GPU the decode
-memory roofline = (weight bytes + KV bytes read per step) / measured copy bandwidth. Accuracy tasks plug in
-here later as rows with `task`, `length`, `score`, `dense_score`.
+it shorter), decode ms/token (the mean over `steps` steps after warm-up steps that absorb graph capture: a
+mean, so that periodic work such as resa's rectification is amortised; median and deciles too), peak memory,
+and on GPU the decode memory roofline = (weight bytes + KV bytes read per step) / measured copy bandwidth.
+With tasks, accuracy rows (`task`, `length`, `score`, `dense_score`) instead (longctx_cli/accuracy.py).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from engines.base import EngineInputError
 from engines.decoding import Sampler
 from longctx_cli import distributed
 from longctx_cli.errors import ConfigError, is_out_of_memory
-from longctx_cli.models import load_model
+from longctx_cli.models import load_model, longctx_home
 from longctx_cli.plan import parse_count
 from longctx_cli.report import RANDOM_NOTE, memory_snapshot, reset_peaks, run_stamp
 
@@ -94,7 +93,8 @@ def _out_of_memory(message: str, engine, model, length: int, steps: int) -> dict
     """The fields of a row whose run ran out of memory: the error, the engine's planned state and what was free."""
     gc.collect()
     dtype_bytes = next(model.parameters()).element_size()
-    planned = engine.memory_plan(model.config, length + _reserve(steps), dtype_bytes, engine.config)
+    planned = engine.memory_plan(model.config, length + _reserve(steps), dtype_bytes, engine.config,
+                                 chunk_size=engine.run.chunk_size, reserve=_reserve(steps))
     row = {"out_of_memory": message,
            "planned_state_gib": planned / 2**30, "weights_gib": _weight_bytes(model) / 2**30}
     if torch.cuda.is_available():
@@ -119,12 +119,12 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
               depths: list[float] | None = None, plot_path: str | None = None, layout: str = "auto") -> dict:
     lm = load_model(model, device=profile.run.device, dtype=profile.run.dtype,
                     progress=lambda m: err.print(f"[dim]{m}...[/]"))
-    engines = [(profile, ENGINES[profile.engine](lm, profile.engine_config, profile.run))]
     # Several ranks (star --gpus N): every rank runs the engine, the baseline runs on the query rank alone (one
     # GPU), which also prints and writes the results.
     lead = distributed.is_query_rank()
-    if baseline is not None and lead:
-        engines.append((baseline, ENGINES[baseline.engine](lm, baseline.engine_config, baseline.run)))
+    with _engine_input_errors():  # settings the model refuses (e.g. a layer it does not have), as in `ask`
+        engines = [(prof, ENGINES[prof.engine](lm, prof.engine_config, prof.run, home=longctx_home()))
+                   for prof in (profile, baseline if lead else None) if prof is not None]
     # The parameters in effect, not just profile names: a profile file may change after the run.
     # Engine keys, then the run keys that shape what is measured (decoding's graph and compilation, chunking).
     settings = {prof.name: {"engine": prof.engine, **dataclasses.asdict(prof.engine_config),

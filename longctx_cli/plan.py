@@ -14,6 +14,7 @@ from longctx_cli.report import gib
 
 err = Console(stderr=True)
 MARGIN = 0.9  # leave 10% of free memory for the allocator's fragmentation and the CUDA context
+QUESTION_TOKENS = 64  # room planned for a question not yet asked
 
 
 def parse_count(text: str) -> int:
@@ -63,7 +64,9 @@ def estimate(profile, config, n_tokens: int) -> dict:
     engine = ENGINES[profile.engine]
     capacity = n_tokens + run.max_new_tokens
     weights = parameter_bytes(config, dtype_bytes)
-    kv = engine.memory_plan(config, capacity, dtype_bytes, profile.engine_config)
+    # The question's room is not known before it is asked: the answer's, plus a question's allowance.
+    kv = engine.memory_plan(config, capacity, dtype_bytes, profile.engine_config, chunk_size=run.chunk_size,
+                            reserve=run.max_new_tokens + QUESTION_TOKENS)
     act = activation_bytes(config, min(run.chunk_size, capacity), capacity, dtype_bytes, device)
     if device.type == "cuda":
         ids = [device.index] if device.index is not None else list(range(torch.cuda.device_count()))
@@ -94,7 +97,7 @@ def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None
     elif paths:
         tokenizer = load_tokenizer(model)
         docs = collect_documents(paths)
-        n_tokens = max(tokenize_stream(iter_text(d), tokenizer).numel() for d in docs) + 64
+        n_tokens = max(tokenize_stream(iter_text(d), tokenizer).numel() for d in docs) + QUESTION_TOKENS
     else:
         from longctx_cli.errors import ConfigError
 

@@ -1,19 +1,39 @@
-"""Shared fixtures: the embedded model, loaded once per test session (converted on first use)."""
+"""Shared fixtures: the embedded model, loaded once per test session (converted on first use).
+
+Device tests carry a marker and skip cleanly where they cannot run:
+- `@pytest.mark.gpu`: needs CUDA;
+- `@pytest.mark.triton`: a Triton kernel against its reference, on CUDA, or on CPU through Triton's interpreter
+  (TRITON_INTERPRET=1 with Triton installed); tensors go to TRITON_DEVICE. Also selected by `-m gpu`.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 
 import pytest
 import torch
 
-from longctx_cli.models import load_model
+from longctx_cli.models import load_model, longctx_home
+
+CUDA = torch.cuda.is_available()
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+TRITON_DEVICE = "cuda" if CUDA else "cpu"
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "triton: a Triton kernel test (CUDA, or TRITON_INTERPRET=1 on CPU)")
 
-def gpu(test):
-    """Marks a test `gpu` (selected by `-m gpu` on the device) and skips it without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "triton" in item.keywords:
+            item.add_marker(pytest.mark.gpu)
+            if not (CUDA or INTERPRETER):
+                item.add_marker(pytest.mark.skip(reason="needs CUDA, or Triton's interpreter (TRITON_INTERPRET=1)"))
+        elif "gpu" in item.keywords and not CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +76,7 @@ def make_engine(lm, name, **overrides):
     from longctx_cli.profiles import resolve_profile
 
     profile = resolve_profile(name, overrides)
-    return ENGINES[profile.engine](lm, profile.engine_config, profile.run)
+    return ENGINES[profile.engine](lm, profile.engine_config, profile.run, home=longctx_home())
 
 
 def story_ids(lm, text: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:

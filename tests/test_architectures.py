@@ -33,12 +33,12 @@ def test_dense_greedy_equals_generate(family):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     lm = LoadedModel(model, None, f"tiny-{family}", True, 0.0, [torch.device("cpu")])
     profile = resolve_profile("dense", {"chunk_size": 37})
-    engine = ENGINES["dense"](lm, profile.engine_config, profile.run)
+    engine = ENGINES["dense"](lm, profile.engine_config, profile.run, home=None)
     ids = torch.randint(3, 512, (150,), generator=torch.Generator().manual_seed(1))
     question = ids[:5]
     state = engine.prefill(ids, reserve=5 + 20)
     ours = list(engine.answer(state, question, 20, Sampler()))
-    assert state.cache.nbytes() == engine.memory_plan(config, ids.numel() + 25, 4)
+    assert state.cache.nbytes() == engine.memory_plan(config, ids.numel() + 25, 4, chunk_size=37, reserve=25)
 
     model.set_attn_implementation("sdpa")
     full = torch.cat([ids, question]).view(1, -1)

@@ -16,31 +16,32 @@ def cli(capsys, monkeypatch):
     return lambda *args: run_cli([str(a) for a in args], capsys, monkeypatch)
 
 
-def test_bench_tasks_dense_end_to_end(cli, tmp_path):
+def test_bench_tasks_end_to_end_next_to_dense(cli, tmp_path):
+    """A profile's engine (star) and the dense baseline on the same samples: each row's score and dense_score
+    are the means of their own engine's sample scores."""
     out = tmp_path / "acc.json"
-    code, stdout, err = cli("bench", "--tasks", "niah_single_1,vt", "--lengths", "1k", "--samples", "2",
-                            "-n", "12", "--json", out)
+    code, stdout, err = cli("bench", "--profile", "star", "--tasks", "niah_single_1,vt", "--lengths", "1k",
+                            "--samples", "1", "-n", "12", "--json", out)
     assert code == 0, err
     assert stdout == ""
     assert "accuracy: gemma3-270m" in err
     result = json.loads(out.read_text())
     assert result["mode"] == "accuracy" and result["model"] == "gemma3-270m"
-    assert [(r["task"], r["length"], r["samples"]) for r in result["rows"]] == [("niah_single_1", 1024, 2),
-                                                                              ("vt", 1024, 2)]
-    assert len(result["samples"]) == 4
-    hashes = {s["prompt_hash"] for s in result["samples"]}
-    assert len(hashes) == 4
+    assert [(r["task"], r["length"], r["samples"], r["engine"]) for r in result["rows"]] == [
+        ("niah_single_1", 1024, 1, "star"), ("vt", 1024, 1, "star")]
+    assert len({s["prompt_hash"] for s in result["samples"]}) == 2
     for sample in result["samples"]:
-        run = sample["results"]["dense"]
-        assert sample["expected"] and isinstance(run["answer"], str)
-        assert 0 <= run["score"] <= 100
-        # The prompt fills the length minus the answer budget exactly (budget = min(RULER's, -n 12)).
-        assert run["prompt_tokens"] == 1024 - 12
-        found = sum(e.lower() in run["answer"].lower() for e in sample["expected"])
-        assert run["score"] == pytest.approx(100 * found / len(sample["expected"]))
-    niah = result["rows"][0]
-    # Dense compared with itself; the small base model finds a number needle in 1K tokens of filler.
-    assert niah["score"] == niah["dense_score"] and niah["score"] >= 50
+        assert set(sample["results"]) == {"star", "dense"}
+        for run in sample["results"].values():
+            assert sample["expected"] and isinstance(run["answer"], str)
+            # The prompt fills the length minus the answer budget exactly (budget = min(RULER's, -n 12)).
+            assert run["prompt_tokens"] == 1024 - 12
+            found = sum(e.lower() in run["answer"].lower() for e in sample["expected"])
+            assert run["score"] == pytest.approx(100 * found / len(sample["expected"]))
+    for row in result["rows"]:
+        mine = [s["results"] for s in result["samples"] if s["task"] == row["task"]]
+        assert row["score"] == pytest.approx(sum(r["star"]["score"] for r in mine) / len(mine))
+        assert row["dense_score"] == pytest.approx(sum(r["dense"]["score"] for r in mine) / len(mine))
 
 
 def test_bench_tasks_bad_arguments(cli):

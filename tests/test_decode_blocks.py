@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engines.decode_blocks import DecodeBlocks, GatedMLP, _SharedGEMV
-from tests.conftest import gpu, make_engine
+from tests.conftest import make_engine
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def test_an_mlp_of_another_form_is_left_unfused():
     assert _gated_mlp(Swapped()) is None
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["gemma3-270m", "qwen3-1.7b"])
 def test_fused_and_compiled_decode_error_within_twice_the_eager_steps_error_on_gpu(preset):
     """The captured step with fused projections, and with fused + compiled blocks, scores 24 teacher-forced

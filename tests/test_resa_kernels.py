@@ -1,41 +1,28 @@
 """resa's kernels: block descriptors, block selection, block-sparse decode, few-query decode, LSE combine.
 
-CPU tests pin the references down against brute force; `gpu` tests hold the Triton kernels to the references
-(run on the device; `TRITON_INTERPRET=1 pytest -m gpu tests/test_resa_kernels.py` runs them on CPU through
+CPU tests pin the references down against brute force; `triton` tests hold the Triton kernels to the references
+(run on the device; `TRITON_INTERPRET=1 pytest -m triton tests/test_resa_kernels.py` runs them on CPU through
 Triton's interpreter where Triton is installed).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors_reference as update_ref
 from kernels.block_select import KeepRule, block_scores
 from kernels.block_select import select_blocks_reference as select_ref
 from kernels.decode_attention import decode_attention_reference as dense_ref
 from kernels.lse_combine import combine_splits_reference, merge_partials
 from kernels.sparse_decode_attention import sparse_decode_attention_reference as sparse_ref
+from tests.conftest import TRITON_DEVICE
 
 BS = 16
 
 
-def _device() -> str | None:
-    if torch.cuda.is_available():
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return None
-        return "cpu"
-    return None
-
-
-DEVICE = _device()
-needs_triton = pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or TRITON_INTERPRET=1 with Triton)")
+DEVICE = TRITON_DEVICE
 
 
 def _keys(B, H, S, D, lengths, dtype=torch.float32, device="cpu"):
@@ -49,7 +36,7 @@ def _keys(B, H, S, D, lengths, dtype=torch.float32, device="cpu"):
 
 def _descriptors(keys, lengths):
     B, H, S, D = keys.shape
-    nb = -(-S // BS)
+    nb = cdiv(S, BS)
     kmax = torch.full((B, H, nb, D), float("nan"), dtype=keys.dtype, device=keys.device)
     kmin = kmax.clone()
     for b, n in enumerate(lengths):
@@ -63,7 +50,7 @@ def test_descriptors_incremental_equal_full_rebuild():
     """Chunks of odd sizes, then single tokens: only touched blocks change, and they equal a rebuild."""
     S, D = 300, 8
     keys = torch.randn(1, 2, S, D)
-    kmax = torch.full((1, 2, -(-S // BS), D), float("nan"))
+    kmax = torch.full((1, 2, cdiv(S, BS), D), float("nan"))
     kmin = kmax.clone()
     end = 0
     for n in (37, 5, 100, 1, 1, 16, 1):
@@ -72,7 +59,7 @@ def test_descriptors_incremental_equal_full_rebuild():
         update_ref(keys, kmax, kmin, torch.tensor([end]), n, BS)
         untouched = slice(0, (end - n) // BS)
         assert torch.equal(kmax[:, :, untouched], before[:, :, untouched])
-    for blk in range(-(-end // BS)):
+    for blk in range(cdiv(end, BS)):
         seg = keys[0, :, blk * BS:min(end, blk * BS + BS)]
         assert torch.equal(kmax[0, :, blk], seg.amax(dim=1)) and torch.equal(kmin[0, :, blk], seg.amin(dim=1))
 
@@ -80,7 +67,7 @@ def test_descriptors_incremental_equal_full_rebuild():
 def _means(keys, lengths):
     """kmean [B, H, NB, D] by the reference, one full update per sequence (NaN where no key)."""
     B, H, S, D = keys.shape
-    kmean = torch.full((B, H, -(-S // BS), D), float("nan"), dtype=keys.dtype, device=keys.device)
+    kmean = torch.full((B, H, cdiv(S, BS), D), float("nan"), dtype=keys.dtype, device=keys.device)
     scratch = kmean.clone()
     for b, n in enumerate(lengths):
         update_ref(keys[b:b + 1], scratch[b:b + 1], scratch[b:b + 1].clone(), torch.tensor([n]), n, BS, kmean[b:b + 1])
@@ -90,13 +77,13 @@ def _means(keys, lengths):
 def test_descriptor_means_incremental_equal_block_means():
     S, D = 300, 8
     keys = torch.randn(1, 2, S, D)
-    kmax = torch.full((1, 2, -(-S // BS), D), float("nan"))
+    kmax = torch.full((1, 2, cdiv(S, BS), D), float("nan"))
     kmin, kmean = kmax.clone(), kmax.clone()
     end = 0
     for n in (37, 5, 100, 1, 1, 16, 1):  # the last block stays partly filled
         end += n
         update_ref(keys, kmax, kmin, torch.tensor([end]), n, BS, kmean)
-    for blk in range(-(-end // BS)):
+    for blk in range(cdiv(end, BS)):
         seg = keys[0, :, blk * BS:min(end, blk * BS + BS)]
         torch.testing.assert_close(kmean[0, :, blk], seg.mean(dim=1))
 
@@ -111,7 +98,7 @@ def test_centroid_scores_average_the_bound_and_the_mean_key(pooling):
     kmean = _means(keys, [L])
     got = block_scores(q, kmax, kmin, torch.tensor([L]), block_size=BS, local_blocks=2, sink_blocks=1,
                        pooling=pooling, scale=scale, kmean=kmean)
-    n_blocks = -(-L // BS)
+    n_blocks = cdiv(L, BS)
     scored = range(1, n_blocks - 2)
     for h in range(2):
         qs = q[0, h * G:(h + 1) * G]
@@ -150,7 +137,7 @@ def test_block_scores_are_quest_bounds_and_upper_bound_q_dot_k():
     kmax, kmin = _descriptors(keys, [L])
     s = block_scores(q, kmax, kmin, torch.tensor([L]), block_size=BS, local_blocks=2)
     qbar = q.view(1, 2, G, D).mean(2)
-    n_blocks = -(-L // BS)
+    n_blocks = cdiv(L, BS)
     for h in range(2):
         for blk in range(n_blocks - 2):
             bound = sum(max(qbar[0, h, d] * kmax[0, h, blk, d], qbar[0, h, d] * kmin[0, h, blk, d]) for d in range(D))
@@ -169,7 +156,7 @@ def test_softmax_pooling_is_the_groups_summed_block_softmax():
     kmax, kmin = _descriptors(keys, [L])
     s = block_scores(q, kmax, kmin, torch.tensor([L]), block_size=BS, local_blocks=2, sink_blocks=1,
                      pooling="softmax", scale=scale)
-    n_blocks = -(-L // BS)
+    n_blocks = cdiv(L, BS)
     scored = range(1, n_blocks - 2)
     for h in range(2):
         expected = torch.zeros(n_blocks)
@@ -220,7 +207,7 @@ def test_select_keeps_top_k_local_and_pads(L):
     scores = block_scores(q, kmax, kmin, lengths, block_size=BS, local_blocks=2)
     assert idx.shape == (2, 3, width) and idx.dtype == torch.int32
     for b, n in enumerate(lengths.tolist()):
-        n_blocks = -(-n // BS)
+        n_blocks = cdiv(n, BS)
         k = rule.keep(n_blocks)
         for h in range(3):
             kept = idx[b, h, :k]
@@ -305,8 +292,7 @@ def _lowp_error(q, keys, values, toks_per_row, scale):
 @pytest.mark.parametrize("L", [33, 1000, 4097], ids=lambda n: f"L{n}")
 @pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
-@pytest.mark.gpu
-@needs_triton
+@pytest.mark.triton
 def test_descriptors_triton(dtype, D, L, n_new):
     from kernels.block_descriptors.triton import update_block_descriptors_triton
 
@@ -342,8 +328,7 @@ def _problem(B, group, L, D, dtype, S=None):
 @pytest.mark.parametrize("L", [1, 17, 1000, 4097, 32768], ids=lambda n: f"L{n}")
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")
 @pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
-@pytest.mark.gpu
-@needs_triton
+@pytest.mark.triton
 def test_select_triton_matches_reference(D, group, L, pooling):
     from kernels.block_select.triton import select_blocks_triton
 
@@ -370,8 +355,7 @@ def test_select_triton_matches_reference(D, group, L, pooling):
 
 
 @pytest.mark.parametrize("n_blocks", [40, 1000, 5000], ids=lambda n: f"NB{n}")
-@pytest.mark.gpu
-@needs_triton
+@pytest.mark.triton
 def test_select_triton_breaks_ties_by_lowest_index(n_blocks):
     """Scores with heavy ties (4 distinct values, negatives and zero included): the kernel keeps every block
     above the k-th largest score and the lowest-indexed blocks among those equal to it, however the blocks
@@ -400,8 +384,7 @@ def test_select_triton_breaks_ties_by_lowest_index(n_blocks):
 
 @pytest.mark.parametrize("forced", [(1, 0), (3, 2), (24, 0), (20, 30)], ids=lambda f: f"local{f[0]}-sink{f[1]}")
 @pytest.mark.parametrize("n_blocks", [1, 2, 17, 40, 300], ids=lambda n: f"NB{n}")
-@pytest.mark.gpu
-@needs_triton
+@pytest.mark.triton
 def test_select_triton_forced_blocks_around_k(n_blocks, forced):
     """The search is bracketed by the finite scores and stops early: it must stay exact when the forced
     (+inf) blocks are fewer than, as many as or more than k, and when every block is forced."""
@@ -429,8 +412,7 @@ def test_select_triton_forced_blocks_around_k(n_blocks, forced):
 @pytest.mark.parametrize("L", [1, 17, 1000, 4097, 32768], ids=lambda n: f"L{n}")
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")
 @pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
-@pytest.mark.gpu
-@needs_triton
+@pytest.mark.triton
 def test_sparse_triton_matches_reference(D, group, L, dtype):
     from kernels.sparse_decode_attention.triton import sparse_decode_attention_triton
 
@@ -458,8 +440,7 @@ def test_sparse_triton_matches_reference(D, group, L, dtype):
 @pytest.mark.parametrize("T", [2, 32], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")
 @pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
-@pytest.mark.gpu
-@needs_triton
+@pytest.mark.triton
 def test_few_query_decode_triton_matches_reference(D, group, T, window):
     from kernels.decode_attention.triton import decode_attention_triton
 
@@ -474,8 +455,7 @@ def test_few_query_decode_triton_matches_reference(D, group, T, window):
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.gpu
-@needs_triton
+@pytest.mark.triton
 def test_combine_triton_matches_reference():
     from kernels.lse_combine.triton import combine_splits_triton
 
@@ -493,7 +473,6 @@ def test_combine_triton_matches_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sparse_step_in_a_cuda_graph_follows_length():
     """descriptor update + select + sparse attention captured once, replayed while the length grows."""
     from kernels.block_descriptors import update_block_descriptors
@@ -532,7 +511,7 @@ def test_sparse_step_in_a_cuda_graph_follows_length():
         graph.replay()
         ref_kmax, ref_kmin = kmax.clone(), kmin.clone()
         update_ref(keys.cpu(), ref_kmax := ref_kmax.cpu(), ref_kmin := ref_kmin.cpu(), torch.tensor([n]), n, BS)
-        assert torch.equal(kmax.cpu()[:, :, :-(-n // BS)], ref_kmax[:, :, :-(-n // BS)])
+        assert torch.equal(kmax.cpu()[:, :, :cdiv(n, BS)], ref_kmax[:, :, :cdiv(n, BS)])
         ref_blocks = select_ref(q.cpu(), ref_kmax, ref_kmin, torch.tensor([n]), block_size=BS, rule=rule, width=width)
         assert ((blocks >= 0).sum(-1).cpu() == (ref_blocks >= 0).sum(-1)).all()
         ref = sparse_ref(q.float(), keys.float(), values.float(), blocks, length, block_size=BS, scale=D**-0.5)
@@ -540,21 +519,20 @@ def test_sparse_step_in_a_cuda_graph_follows_length():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pooling", ["mean", "softmax"])
 def test_select_triton_resident_past_256k_tokens(pooling):
     """A 256K-token document plus answer room (16,389 blocks) stays on the register-resident search."""
     from kernels.block_select.triton import _RESIDENT_MAX, select_blocks_triton
 
     L = 262144 + 77
-    assert -(-L // BS) <= _RESIDENT_MAX
+    assert cdiv(L, BS) <= _RESIDENT_MAX
     q, _, _, kmax, kmin, length = _problem(1, 4, L, 128, torch.bfloat16)
     rule = KeepRule(0.1, 16, 1, 1, pooling=pooling)
     width = rule.keep(kmax.shape[2])
     got = select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width, scale=128**-0.5).cpu()
     scores = block_scores(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, local_blocks=1,
                           sink_blocks=1, pooling=pooling, scale=128**-0.5)
-    n = -(-L // BS)
+    n = cdiv(L, BS)
     for h in range(2):
         kept = got[0, h][got[0, h] >= 0].long()
         assert kept.numel() == rule.keep(n) and {0, n - 1} <= set(kept.tolist())
@@ -564,7 +542,6 @@ def test_select_triton_resident_past_256k_tokens(pooling):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_select_triton_long_context_multipass():
     """Past _RESIDENT_MAX blocks the selection searches in passes over L2 instead of registers: same contract."""
     from kernels.block_select.triton import _RESIDENT_MAX, select_blocks_triton
@@ -577,7 +554,7 @@ def test_select_triton_long_context_multipass():
     scores = block_scores(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, local_blocks=1, sink_blocks=1)
     for h in range(2):
         kept = got[0, h][got[0, h] >= 0].long()
-        assert kept.numel() == rule.keep(-(-L // BS)) and 0 in kept.tolist()
-        dropped = torch.ones(-(-L // BS), dtype=torch.bool)
+        assert kept.numel() == rule.keep(cdiv(L, BS)) and 0 in kept.tolist()
+        dropped = torch.ones(cdiv(L, BS), dtype=torch.bool)
         dropped[kept] = False
-        assert scores[0, h, kept].min() >= scores[0, h, :-(-L // BS)][dropped].max() - 1e-3
+        assert scores[0, h, kept].min() >= scores[0, h, :cdiv(L, BS)][dropped].max() - 1e-3

@@ -4,7 +4,6 @@ uses against brute force, cache plans through the paper's event simulator, the s
 from __future__ import annotations
 
 import functools
-import os
 import re
 from pathlib import Path
 
@@ -19,13 +18,13 @@ from engines.sas.parse import parse_pattern
 from engines.sas.pattern import And, Diag, Dynamic, Not, Or, Rect, Span, Spread
 from engines.sas.codegen import triton_visible, visible_expression
 from engines.sas.simulate import simulate
-from kernels.decode_attention import PositionMask, decode_attention_reference
+from kernels.decode_attention import PositionMask, PositionRule, decode_attention_reference
+from tests.conftest import TRITON_DEVICE
 
 PROFILES = sorted((Path(__file__).parent.parent / "profiles").glob("sas-*.yaml"))
 SETTINGS = settings(max_examples=150, deadline=None, database=None)
 # Triton kernels run on CUDA, or on CPU through Triton's interpreter (TRITON_INTERPRET=1 with Triton installed).
-DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None)
-needs_triton = pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or TRITON_INTERPRET=1 with Triton)")
+DEVICE = TRITON_DEVICE
 
 
 def reference(p, q: int, k: int) -> bool:
@@ -349,19 +348,18 @@ def test_generated_code_equals_visible(p, n):
     assert got == want.tolist(), text
 
 
-def test_generated_module_is_written_once_and_imports(tmp_path, monkeypatch):
+def test_generated_module_is_written_once_and_imports(tmp_path):
     pytest.importorskip("triton")
-    monkeypatch.setenv("LONGCTX_HOME", str(tmp_path))
     pattern = parse_pattern("Rect(keys=0:32) + Diag(window=1024)")
-    fn = triton_visible(pattern)
-    files = list((tmp_path / "sas_kernels").glob("visible_*.py"))
+    fn = triton_visible(pattern, tmp_path)
+    files = list(tmp_path.glob("visible_*.py"))
     assert len(files) == 1 and str(pattern) in files[0].read_text()
     assert fn.fn.__name__ == "visible" and fn.arg_names == ["q", "k"]  # a triton.jit function (or interpreted)
-    assert triton_visible(pattern) is fn
+    assert triton_visible(pattern, tmp_path) is fn
+    assert triton_visible(pattern).fn.__name__ == "visible"  # no directory: a temporary one
 
 
-@pytest.mark.gpu
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
 def test_decode_kernel_with_generated_mask_matches_reference(profile):
     """The shipped patterns' static parts generated into the decode kernel, against the reference (which
@@ -369,7 +367,7 @@ def test_decode_kernel_with_generated_mask_matches_reference(profile):
     from kernels.decode_attention.triton import decode_attention_triton
 
     static = split(parse_pattern(yaml.safe_load(profile.read_text())["pattern"])).static
-    mask = PositionMask(static.visible, triton_visible(static))
+    rule = PositionRule(static.visible, triton_visible(static))
     torch.manual_seed(42)
     B, Hq, Hkv, S, D, n = 2, 8, 2, 1000, 64, 5000
     q = torch.randn(B, Hq, D, device=DEVICE)
@@ -378,7 +376,7 @@ def test_decode_kernel_with_generated_mask_matches_reference(profile):
     key_pos[:, :, ::7] = -1
     q_pos = torch.tensor([n - 1, 4321], device=DEVICE)
     length = torch.tensor([S, S - 37], device=DEVICE)
-    args = dict(scale=D**-0.5, key_pos=key_pos, q_pos=q_pos, position_mask=mask, return_lse=True)
+    args = dict(scale=D**-0.5, mask=PositionMask(rule, key_pos, q_pos), return_lse=True)
     want, want_lse = decode_attention_reference(q, k, v, length, **args)
     got, got_lse = decode_attention_triton(q, k, v, length, **args)
     assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse))

@@ -3,8 +3,7 @@
 Rows of a layer's buffers [B, Hkv, rows, D] on the compute device:
 
     [0, n_init)                     the first n_init tokens (attention sinks), kept for good
-    [n_init, n_init + R)            retrieved blocks, R = top_k * block (the layer's own count with
-                                    layer_top_k; slot s holds block `slots[s]`)
+    [n_init, n_init + R)            retrieved blocks, R = top_k * block (slot s holds block `slots[s]`)
     [local0, local0 + local_cap)    the local window, oldest first: the last >= n_local tokens, then the chunk
                                     in flight, then (decode) the generated tokens
 
@@ -26,10 +25,10 @@ from engines.ltri.memory import ContextMemory, IndexMemory, context_blocks
 class LtriLayer(OwnedRowsLayer):
 
     def __init__(self, owner: "LtriCache", *, n_init: int, n_retrieved: int, n_local: int, block: int,
-                 room: int, window: int | None, retrieve: bool, fp8_memory: bool = False):
+                 room: int, window: int | None, retrieve: bool, fp8_memory: bool = False, max_vectors: int = 0):
         super().__init__()
         self.owner, self.block, self.window, self.retrieve = owner, block, window, retrieve
-        self.fp8_memory = fp8_memory
+        self.fp8_memory, self.max_vectors = fp8_memory, max_vectors
         self.is_sliding = window is not None
         self.n_init, self.n_retrieved, self.n_local = n_init, n_retrieved, n_local
         self.local0 = n_init + n_retrieved
@@ -40,27 +39,6 @@ class LtriLayer(OwnedRowsLayer):
         self.slots = [-1] * (n_retrieved // block)  # block id per retrieval slot
         self.pending: dict[int, list] = {}  # block id -> spans, for blocks still in the window
         self.peak_rows = 0  # most valid rows ever held (measured at every chunk)
-        # Per run of summary_tokens tokens of the stored blocks, fp32 [runs, Hkv, D] each (LtriConfig.compensate):
-        # the mean key, mean value, key variance, key max and key min, views of a buffer that doubles when full.
-        self.summaries: tuple[torch.Tensor, ...] | None = None
-        self.summary_tokens = block
-        self._summaries: torch.Tensor | None = None  # [5, capacity, Hkv, D]
-
-    def add_summaries(self, keys: torch.Tensor, values: torch.Tensor, tokens: int | None = None) -> None:
-        """keys, values [Hkv, n * block, D] of evicted blocks: append the summaries of each run of `tokens` tokens
-        (default: a block; a divisor of block)."""
-        self.summary_tokens = tokens or self.block
-        hkv, n, d = keys.shape[0], keys.shape[1] // self.summary_tokens, keys.shape[2]
-        k, v = (x.float().view(hkv, n, self.summary_tokens, d) for x in (keys, values))
-        new = torch.stack([k.mean(2), v.mean(2), k.var(2, correction=0), k.amax(2), k.amin(2)]).transpose(1, 2)
-        used = 0 if self.summaries is None else self.summaries[0].shape[0]
-        if self._summaries is None or used + n > self._summaries.shape[1]:
-            grown = torch.empty(5, max(16, 2 * (used + n)), hkv, d, dtype=torch.float32, device=keys.device)
-            if used:
-                grown[:, :used] = self._summaries[:, :used]
-            self._summaries = grown
-        self._summaries[:, used:used + n] = new
-        self.summaries = tuple(self._summaries[:, :used + n])
 
     @staticmethod
     def rows_for(n_init: int, n_retrieved: int, n_local: int, block: int, room: int, **_) -> int:
@@ -86,7 +64,7 @@ class LtriLayer(OwnedRowsLayer):
             # wait for the device and copy itself at every doubling.
             blocks = context_blocks(self.owner.capacity, self.n_init, self.block)
             self.memory = ContextMemory(heads, self.block, dim, self.dtype, pin, blocks, self.fp8_memory)
-            self.index = IndexMemory(heads, dim, self.dtype, self.device)
+            self.index = IndexMemory(heads, dim, self.dtype, self.device, blocks * self.max_vectors)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -171,10 +149,11 @@ class LtriLayer(OwnedRowsLayer):
         return copied
 
     def nbytes(self) -> int:
-        """Device-side K/V (and their positions and votes): the bounded part."""
+        """Device-side state: the bounded rows (K, V, positions, votes) and the index memory."""
         if not self.is_initialized:
             return 0
-        return self.keys.nbytes + self.values.nbytes + self.key_pos.nbytes + self.votes.nbytes
+        index = self.index.nbytes() if self.retrieve else 0
+        return self.keys.nbytes + self.values.nbytes + self.key_pos.nbytes + self.votes.nbytes + index
 
 
 def layer_specs(model_config, cfg, room: int) -> list[dict]:
@@ -182,11 +161,11 @@ def layer_specs(model_config, cfg, room: int) -> list[dict]:
     retrieval slots, a window of cfg.n_local); the model's sliding-window layers keep only their window."""
     window = getattr(model_config.get_text_config(decoder=True), "sliding_window", None)
     full = dict(n_init=cfg.n_init, n_local=cfg.n_local, window=None, retrieve=True,
-                fp8_memory=cfg.context_memory == "fp8")
+                fp8_memory=cfg.context_memory == "fp8", max_vectors=cfg.vectors_per_block())
     sliding = dict(n_init=0, n_retrieved=0, n_local=window, window=window, retrieve=False)
     return [dict(sliding, block=cfg.block_size, room=room) if t == "sliding_attention" else
-            dict(full, n_retrieved=cfg.top_k_for(i) * cfg.block_size, block=cfg.block_size, room=room)
-            for i, t in enumerate(layer_types(model_config))]
+            dict(full, n_retrieved=cfg.top_k * cfg.block_size, block=cfg.block_size, room=room)
+            for t in layer_types(model_config)]
 
 
 class LtriCache(StaticKVCache):

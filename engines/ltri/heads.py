@@ -79,15 +79,24 @@ def best_heads(scores: dict[int, list[float]]) -> dict[int, tuple[int, float]]:
     return out
 
 
-def cached_heads(model, tokenizer, model_name: str, layers: list[int], home: Path) -> dict[int, tuple[int, float]]:
-    """best_heads, computed on first use for this model and kept in home/retrieval_heads/."""
+_COMPUTED: dict[str, dict[int, list[float]]] = {}  # scores computed in this process, by model key
+
+
+def cached_heads(model, tokenizer, model_name: str, layers: list[int],
+                 home: Path | None) -> dict[int, tuple[int, float]]:
+    """best_heads, computed on first use for this model and kept in home/retrieval_heads/ (home None: kept
+    for this process only)."""
     key = hashlib.sha256(f"{model_name}|{model.config.to_json_string()}".encode()).hexdigest()[:16]
-    path = home / "retrieval_heads" / f"{key}.json"
-    if path.exists():
+    path = None if home is None else home / "retrieval_heads" / f"{key}.json"
+    if key in _COMPUTED:
+        scores = _COMPUTED[key]
+    elif path is not None and path.exists():
         scores = {int(k): v for k, v in json.loads(path.read_text())["scores"].items()}
     else:
         scores = score_heads(model, tokenizer, layers)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"model": model_name, "method": "Wu et al. 2024, teacher-forced copy",
-                                    "scores": scores}, indent=1))
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"model": model_name, "method": "Wu et al. 2024, teacher-forced copy",
+                                        "scores": scores}, indent=1))
+    _COMPUTED[key] = scores
     return best_heads({layer: s for layer, s in scores.items() if layer in layers})

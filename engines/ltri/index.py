@@ -12,6 +12,7 @@ import torch
 
 from engines.ltri import spans as sp
 from engines.ltri.cache import LtriCache, LtriLayer
+from kernels import cdiv
 
 _FIRST_LAYERS = 4  # "the lam value for the first four layers is assigned as 20"
 _CALIBRATION_SPANS = 4096  # most recent spans per layer kept for the lam lookup
@@ -62,7 +63,7 @@ class Indexer:
         if self.cfg.index != "dynamic":
             return
         b = layer.block
-        first = -(-(start - layer.n_init) // b)  # first block starting at or after `start`
+        first = cdiv(start - layer.n_init, b)  # first block starting at or after `start`
         count = (start + own.shape[0] - layer.n_init) // b - first
         if count <= 0:
             return
@@ -105,8 +106,6 @@ class Indexer:
             self.flush(cache)  # a chunk longer than the window evicts blocks it completed itself
         keys, values, votes = layer.take_oldest(n * layer.block)
         cache.stats["device_to_host_bytes"] += layer.memory.add(keys, values)
-        if self.cfg.summarises(layer_idx):
-            layer.add_summaries(keys, values, self.cfg.summary_tokens)
         if self.cfg.index == "dynamic" and self.cfg.pick == "cover":
             # Picked at the next flush, with every other layer's evicted blocks: the farthest-point steps are
             # small, and one batch per chunk instead of one per layer keeps long prefills from waiting on launches.
@@ -181,14 +180,12 @@ class Indexer:
         return query[0][:, picked].transpose(0, 1)
 
     def retrieve(self, layer: LtriLayer, layer_idx: int, query, key, scaling, cache: LtriCache) -> None:
-        """Fills the retrieval slots with the layer's top_k blocks for this chunk (all blocks when they fit).
-        A layer whose blocks all fit still scores them while another layer must choose (layer_top_k), so that
-        its votes reach the later layers as they would with one top_k."""
+        """Fills the retrieval slots with the layer's top_k blocks for this chunk (all blocks when they fit)."""
         n_blocks = layer.memory.n_blocks
         if n_blocks == 0:
             return
-        k = min(self.cfg.top_k_for(layer_idx), n_blocks)
-        if n_blocks <= self.cfg.fewest_top_k():
+        k = min(self.cfg.top_k, n_blocks)
+        if n_blocks <= k:
             wanted = list(range(n_blocks))
         else:
             qvec = self._query_vectors(layer, layer_idx, query, key, scaling)
@@ -197,10 +194,7 @@ class Indexer:
             qw = (qvec.float() * w[None, :, None]).view(qvec.shape[0], hkv, -1, qvec.shape[-1]).sum(dim=2)
             scores, where = layer.index.block_scores(qw, n_blocks)
             scores = self._vote(layer_idx, scores, cache)
-            if n_blocks <= k:
-                wanted = list(range(n_blocks))
-            else:
-                wanted = self._with_successors(scores, where, k, layer.block, cache)
+            wanted = self._with_successors(scores, where, k, layer.block, cache)
         cache.stats["host_to_device_bytes"] += layer.load_blocks(wanted)
         cache.stats["blocks_retrieved"] += k
         cache.stats["retrievals"] += 1
@@ -256,9 +250,6 @@ class Indexer:
         out = {
             "ltri_device_rows_per_layer": max(layer.rows for layer in full),
             "ltri_peak_valid_rows": max(layer.peak_rows for layer in full),
-            # With layer_top_k the retrieving layers' budgets differ: the two above are the largest layer's, these
-            # each layer's (each within its own n_init + slots + window + chunk) and the total over them
-            "ltri_retrieval_slots_per_layer": per_layer(layer.n_retrieved // layer.block for layer in full),
             "ltri_peak_valid_rows_per_layer": per_layer(layer.peak_rows for layer in full),
             "ltri_peak_valid_rows_all_layers": sum(layer.peak_rows for layer in full),
             "ltri_cpu_blocks": full[0].memory.n_blocks,

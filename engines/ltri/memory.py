@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cdiv
+
 
 class _Growable:
-    """A [capacity, *shape] tensor that doubles when full; `n` rows are in use."""
+    """A [capacity, *shape] tensor that doubles when full, never past `limit` rows (None: no limit); `n` rows
+    are in use."""
 
-    def __init__(self, shape: tuple, dtype: torch.dtype, device: torch.device, pin: bool, capacity: int = 16):
-        self.shape, self.dtype, self.device, self.pin = shape, dtype, device, pin
-        self.data = self._alloc(capacity)
+    def __init__(self, shape: tuple, dtype: torch.dtype, device: torch.device, pin: bool, capacity: int = 16,
+                 limit: int | None = None):
+        self.shape, self.dtype, self.device, self.pin, self.limit = shape, dtype, device, pin, limit
+        self.data = self._alloc(capacity if limit is None else min(capacity, limit))
         self.n = 0
 
     def _alloc(self, rows: int) -> torch.Tensor:
@@ -28,7 +32,8 @@ class _Growable:
             if self.pin:
                 # The host copy below is not stream-ordered: earlier async device -> host copies must land.
                 torch.cuda.synchronize()
-            bigger = self._alloc(max(2 * self.data.shape[0], self.n + extra))
+            rows = max(2 * self.data.shape[0], self.n + extra)
+            bigger = self._alloc(rows if self.limit is None else max(min(rows, self.limit), self.n + extra))
             bigger[: self.n].copy_(self.data[: self.n])
             self.data = bigger
 
@@ -47,7 +52,7 @@ class _Growable:
 
 def context_blocks(n_tokens: int, n_init: int, block: int) -> int:
     """Blocks of context memory a document of n_tokens can fill (the tokens past the init ones)."""
-    return max(1, -(-(n_tokens - n_init) // block))
+    return max(1, cdiv(n_tokens - n_init, block))
 
 
 class ContextMemory:
@@ -108,12 +113,13 @@ class ContextMemory:
 
 
 class IndexMemory:
-    """Index vectors of one layer: vectors [N, Hkv, D] and block [N] on the compute device."""
+    """Index vectors of one layer: vectors [N, Hkv, D] and block [N] on the compute device; at most `limit`
+    of them (a document's blocks times max_vectors: what the memory plan counts)."""
 
-    def __init__(self, heads: int, dim: int, dtype: torch.dtype, device: torch.device):
-        self.vectors = _Growable((heads, dim), dtype, device, False, capacity=256)
-        self.block = _Growable((), torch.long, device, False, capacity=256)
-        self.offset = _Growable((), torch.long, device, False, capacity=256)  # token of the vector in its block
+    def __init__(self, heads: int, dim: int, dtype: torch.dtype, device: torch.device, limit: int):
+        self.vectors = _Growable((heads, dim), dtype, device, False, capacity=256, limit=limit)
+        self.block = _Growable((), torch.long, device, False, capacity=256, limit=limit)
+        self.offset = _Growable((), torch.long, device, False, capacity=256, limit=limit)  # token in its block
 
     @property
     def n(self) -> int:

@@ -147,19 +147,14 @@ def candidates(maps: torch.Tensor, theta: torch.Tensor, ratio_mode: str) -> torc
     return torch.stack([bi.double(), bj.double(), best, conf], dim=-1)
 
 
-def divide(a: torch.Tensor, threshold: float, iou: float, ratio_mode: str = "row") -> list[Span]:
-    """Spans of a causal attention map a [n, n] (summed over heads), best first; never empty. threshold: the
-    quantile of the map's causal cells subtracted before scoring."""
-    return divide_many(a[None], threshold, iou, ratio_mode)[0]
-
-
 def divide_many(maps: torch.Tensor, threshold: float, iou: float, ratio_mode: str = "row") -> list[list[Span]]:
-    """`divide` for several maps of one size at once: maps [m, n, n], on any device."""
+    """Spans of each causal attention map of maps [m, n, n] (summed over heads, any device), best first; never
+    empty. threshold: the quantile of a map's causal cells subtracted before scoring."""
     return _divide(maps, quantile_threshold(maps, threshold), iou, ratio_mode)
 
 
 def divide_at(a: torch.Tensor, theta: float, iou: float, ratio_mode: str = "row") -> list[Span]:
-    """`divide` with the threshold theta given as a value, not a quantile."""
+    """The spans of one map a [n, n], with the threshold theta given as a value, not a quantile."""
     return _divide(a[None], torch.tensor([theta], dtype=torch.float64, device=a.device), iou, ratio_mode)[0]
 
 

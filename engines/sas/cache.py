@@ -18,6 +18,8 @@ heads of the KV head.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from engines.cache import OwnedRowsLayer, StaticKVCache, layer_types
@@ -129,3 +131,5 @@ class SasCache(StaticKVCache):
         layers = [SasLayer(self, plan, staging, s) for plan, s in zip(plans, sliding)]
         super().__init__(config, capacity, layers)
         self.block_masks: dict = {}  # FlexAttention block masks of the chunk in flight (engines/sas/flex.py)
+        self.kernel_dir: Path | None = None  # where generated decode-mask kernels go (engines/sas/codegen.py)
+        self.analysis_s = 0.0  # the analyzer's time for this cache's plans

@@ -1,4 +1,4 @@
-"""`sas-pattern`: the SAS sparse attention synthesizer (../shared/papers/sas-sparse-attention-synthesizer.txt).
+"""`sas-pattern`: SAS, the sparse attention synthesizer (a pattern language compiled into cache plans and kernels).
 
 A profile's `pattern` (engines/sas/pattern.py) says which keys each query sees. Before prefill the analyzer
 (engines/sas/analyzer.py) sizes a compacted KV cache for the whole sequence (document + question + answer)
@@ -22,23 +22,24 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from engines.base import DocumentState, Engine, outside_engine_error
-from engines.cache import layer_types
+from engines.base import DocumentState, Engine
+from engines.cache import kv_token_bytes, layer_types
+from engines.explicit import score_slices
 from engines.sas.analyzer import CachePlan, describe_index, plan_cache, split
 from engines.sas.cache import SasCache, SasLayer
 from engines.sas.codegen import triton_visible
 from engines.sas.flex import flex_prefill
 from engines.sas.parse import parse_pattern
 from engines.sas.pattern import Diag, Pattern
-from kernels.decode_attention import PositionMask, decode_attention, decode_backend
+from kernels.decode_attention import PositionMask, PositionRule, decode_attention, decode_backend
 
 # Below this many queries a chunk runs the SDPA path (FlexAttention's query tile is 128).
 _FLEX_MIN_QUERIES = 128
-_QUERY_SLICE = 256  # queries per slice when the probabilities are formed explicitly (H2O)
 _EXACT_UP_TO = 65536  # plans (memory, roofline) analyse exactly up to this many tokens
 
 
@@ -73,9 +74,10 @@ def visible(layer: SasLayer, q_pos: torch.Tensor, key_pos: torch.Tensor) -> torc
 
 
 @functools.cache
-def _position_mask(static: Pattern, triton: bool) -> PositionMask:
-    """A static layer's decode mask, evaluated inside the decode kernel (generated Triton on GPU)."""
-    return PositionMask(static.visible, triton_visible(static) if triton else None)
+def _position_rule(static: Pattern, triton: bool, kernel_dir: Path | None) -> PositionRule:
+    """A static layer's decode mask, evaluated inside the decode kernel (generated Triton on GPU, its module
+    kept in kernel_dir)."""
+    return PositionRule(static.visible, triton_visible(static, kernel_dir) if triton else None)
 
 
 @functools.cache
@@ -119,12 +121,9 @@ def _prefill_reference(layer, query, key, value, scaling, offset):
         return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
     out = torch.empty_like(query)
     gained = torch.zeros(B, k.shape[1], width, dtype=torch.float32, device=query.device)
-    for lo in range(0, T, _QUERY_SLICE):
-        q = query[:, :, lo:lo + _QUERY_SLICE].float().view(B, k.shape[1], group, -1, D)
-        s = torch.matmul(q, k.float()[:, :, None].transpose(-1, -2)) * scaling  # [B, Hkv, G, t, width]
-        s = s.masked_fill(~mask[:, :, None, lo:lo + _QUERY_SLICE], float("-inf"))
+    for lo, t, _, s in score_slices(query, k, scaling, lambda lo, t: mask[:, :, None, lo:lo + t]):
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-        out[:, :, lo:lo + _QUERY_SLICE] = torch.matmul(p, v.float()[:, :, None]).view(B, Hq, -1, D).to(query.dtype)
+        out[:, :, lo:lo + t] = torch.matmul(p, v.float()[:, :, None]).view(B, Hq, t, D).to(query.dtype)
         gained += _reduce_heads(p, layer.dynamic.reduce).sum(dim=-2)
     _gain(layer, gained, T)
     return out
@@ -169,10 +168,10 @@ def _decode(layer: SasLayer, query, key, value, scaling, cache: SasCache):
     width = layer.staging + 1
     if layer.dynamic is None:
         triton = decode_backend(query.device).startswith("triton")
+        rule = _position_rule(layer.plan.static, triton, cache.kernel_dir)
+        mask = PositionMask(rule, layer.key_pos[:, :1, :width], pos.expand(query.shape[0]).contiguous())
         out = decode_attention(query[:, :, 0], key[:, :, :width], value[:, :, :width], layer.decode_rows,
-                               scale=scaling, key_pos=layer.key_pos[:, :1, :width],
-                               q_pos=pos.expand(query.shape[0]).contiguous(),
-                               position_mask=_position_mask(layer.plan.static, triton))
+                               scale=scaling, mask=mask)
         return out.unsqueeze(1)
     # H2O: the mask is needed twice (attention, then the scores), so it is formed once as flags.
     mask = _slot_mask(*_parts(layer.plan), query.is_cuda)(pos.view(1, 1, 1), layer.key_pos[:, :, :width],
@@ -181,7 +180,7 @@ def _decode(layer: SasLayer, query, key, value, scaling, cache: SasCache):
         mask = mask & _refresh_selection(layer, width)
     mask = mask.expand(key.shape[0], key.shape[1], width).contiguous()
     out, lse = decode_attention(query[:, :, 0], key[:, :, :width], value[:, :, :width], layer.decode_rows,
-                                scale=scaling, key_mask=mask, return_lse=True)
+                                scale=scaling, mask=mask, return_lse=True)
     B, Hq, D = out.shape
     q = query[:, :, 0].float().view(B, key.shape[1], Hq // key.shape[1], 1, D)
     s = torch.matmul(q, key[:, :, :width].float()[:, :, None].transpose(-1, -2))[..., 0, :] * scaling
@@ -201,6 +200,11 @@ def _layer_patterns(model_config, config: SasConfig) -> list:
     return [Diag(window=window) if t == "sliding_attention" else pattern for t in layer_types(model_config)]
 
 
+def _staging_rows(chunk_size: int, capacity: int) -> int:
+    """Rows a prefill chunk's own K/V take before they move to their slots."""
+    return min(chunk_size, capacity)
+
+
 def cache_slots(pattern, n: int) -> int:
     """Cache rows for n tokens; past 64K tokens extrapolated linearly from 32K and 64K (exact for bounded
     patterns, whose size stops growing, and for those that grow linearly), so that plans stay cheap."""
@@ -217,8 +221,6 @@ class SasEngine(Engine):
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
                   **kwargs):
-        if longctx is None:
-            raise outside_engine_error()
         layer = longctx.layers[module.layer_idx]
         if longctx.decoding:
             return _decode(layer, query, key, value, scaling, longctx), None
@@ -235,26 +237,29 @@ class SasEngine(Engine):
     def layer_patterns(self) -> list:
         return _layer_patterns(self.model.config, self.config)
 
-    def make_cache(self, capacity: int) -> SasCache:
+    def make_cache(self, capacity: int, reserve: int) -> SasCache:
         start = time.perf_counter()
-        patterns = self.layer_patterns()
-        plans = [plan_cache(p, capacity) for p in patterns]
-        self._analysis_s = time.perf_counter() - start
-        return SasCache(self.model.config, plans, capacity, min(self.run.chunk_size, capacity))
+        plans = [plan_cache(p, capacity) for p in self.layer_patterns()]
+        cache = SasCache(self.model.config, plans, capacity, _staging_rows(self.run.chunk_size, capacity))
+        cache.analysis_s = time.perf_counter() - start
+        cache.kernel_dir = None if self.home is None else self.home / "sas_kernels"
+        return cache
 
     def prefill(self, ids, *, reserve, progress=None) -> DocumentState:
         state = super().prefill(ids, reserve=reserve, progress=progress)
-        state.counters["analysis_s"] = round(self._analysis_s, 3)
+        state.counters["analysis_s"] = round(state.cache.analysis_s, 3)
         return state
 
     @classmethod
-    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None) -> int:
-        """Compacted K/V per layer (slots + a staging chunk of up to 2048 rows) plus the key positions."""
-        per_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
+    def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None, *, chunk_size: int,
+                    reserve: int) -> int:
+        """Compacted K/V per layer (slots, a staging chunk and a trash row) plus each row's key position, and on
+        H2O layers each row's score."""
+        per_layer = kv_token_bytes(model_config, dtype_bytes)
         heads = model_config.get_text_config(decoder=True).num_key_value_heads
-        rows = sum(cache_slots(p, n_tokens) + min(2048, n_tokens) + 1
+        staging = _staging_rows(chunk_size, n_tokens) + 1
+        return sum((cache_slots(p, n_tokens) + staging) * (per_layer + heads * (12 if p.dynamic() else 8))
                    for p in _layer_patterns(model_config, engine_config or SasConfig()))
-        return rows * (per_layer + 8 * heads)
 
     @classmethod
     def plan_notes(cls, model_config, n_tokens: int, engine_config=None) -> list[str]:
@@ -273,7 +278,7 @@ class SasEngine(Engine):
 
     def kv_read_bytes(self, model_config, n_tokens: int, dtype_bytes: int) -> int:
         """Per decode step every layer reads its compacted cache (slots + one staging row)."""
-        per_layer = Engine.memory_plan(model_config, 1, dtype_bytes) // len(layer_types(model_config))
+        per_layer = kv_token_bytes(model_config, dtype_bytes)
         return sum((cache_slots(p, n_tokens) + 1) * per_layer for p in self.layer_patterns())
 
     def backends(self) -> dict[str, str]:

@@ -299,7 +299,3 @@ class Spread(Pattern):
 def _operand(p: Pattern, looser) -> str:
     """p as an operand of a tighter operator: parenthesised when its own operator binds looser."""
     return f"({p})" if isinstance(p, looser) else str(p)
-
-
-def full_causal() -> Pattern:
-    return Diag()

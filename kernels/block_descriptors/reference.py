@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cdiv
+
 
 def update_block_descriptors(keys: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor,
                              n_new: int, block_size: int, kmean: torch.Tensor | None = None) -> None:
@@ -11,7 +13,7 @@ def update_block_descriptors(keys: torch.Tensor, kmax: torch.Tensor, kmin: torch
     B, H, _, D = keys.shape
     for b, end in enumerate(length.tolist()):
         lo = (end - n_new) // block_size
-        hi = -(-end // block_size)
+        hi = cdiv(end, block_size)
         seg = keys[b, :, lo * block_size:end]  # [H, n, D]
         pad = (hi - lo) * block_size - seg.shape[1]
         # The last block may be partly filled: pad it so that the padding never wins the max or the min.

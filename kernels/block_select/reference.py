@@ -7,6 +7,8 @@ from fractions import Fraction
 
 import torch
 
+from kernels import cdiv
+
 POOLINGS = ("mean", "softmax")
 
 
@@ -41,7 +43,7 @@ class KeepRule:
 
     def keep(self, n_blocks: int) -> int:
         num, den = self.ratio
-        return max(-(-n_blocks * num // den), min(n_blocks, self.min_blocks))
+        return max(cdiv(n_blocks * num, den), min(n_blocks, self.min_blocks))
 
 
 def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
@@ -83,7 +85,7 @@ def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, lengt
                           kmean=kmean if rule.centroid else None)
     out = torch.full((B, Hkv, width), -1, dtype=torch.int32, device=q.device)
     for b, n in enumerate(length.tolist()):
-        k = rule.keep(-(-n // block_size))
+        k = rule.keep(cdiv(n, block_size))
         if k > width:
             raise ValueError(f"{k} blocks to keep do not fit the selection width {width}")
         top = torch.topk(scores[b], k, dim=-1).indices.sort(dim=-1).values  # [Hkv, k]

@@ -21,7 +21,7 @@ from kernels.block_select.triton_topk import _block_topk_kernel, _block_topk_res
 
 _SCORE_TILE = 64  # blocks per scoring program (mean pooling)
 # Softmax pooling's scoring program: TILE * head_dim descriptor elements each (an H100 sweep at head_dim 128,
-# 32K-256K: 128 blocks and 4 warps were fastest, results/2026-11-23_h100_resa_select_sweep.json).
+# 32K-256K, benchmarks/bench_resa_kernels.py --sweep-select: 128 blocks and 4 warps were fastest).
 _DOT_ELEMENTS = 16384
 _SCORE_WARPS = 4
 _TOPK_WARPS = 0  # 0: by the block count

@@ -3,24 +3,20 @@
 On CUDA, chunks of at most FEW_QUERIES tokens go to the split-KV decode kernel (T queries); longer ones,
 on layers without a sliding window (head_dim <= 128), to cuDNN attention split into prefix + diagonal
 and merged by log-sum-exp (cudnn.py; the fastest measured on an H100), windowed layers to FlexAttention over
-the full static buffer; elsewhere the SDPA reference with an explicit mask runs. LONGCTX_CHUNK_ATTENTION=
-flex|sdpa|reference forces a path for comparisons (sdpa: lower-right causal bias, flash kernel).
+the full static buffer; elsewhere the SDPA reference with an explicit mask runs.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from kernels.chunk_attention.reference import chunk_attention as chunk_attention_reference
 from kernels.chunk_attention.cudnn import chunk_attention_cudnn
-from kernels.chunk_attention.sdpa import chunk_attention_sdpa
 from kernels.decode_attention import decode_attention
 
 __all__ = ["chunk_attention", "chunk_attention_backend", "chunk_attention_reference"]
-
 
 
 @functools.cache
@@ -30,13 +26,6 @@ def _flex_impl():
     except ImportError:
         return None
     return chunk_attention_flex
-
-
-def _choice() -> str:
-    choice = os.environ.get("LONGCTX_CHUNK_ATTENTION", "auto")
-    if choice not in ("auto", "cudnn", "flex", "sdpa", "reference"):
-        raise ValueError(f"LONGCTX_CHUNK_ATTENTION must be auto, cudnn, flex, sdpa or reference, not {choice!r}")
-    return choice
 
 
 # Chunks of at most this many queries (a question's tail, a rectification) go to the split-KV decode kernel:
@@ -52,22 +41,19 @@ def _few_queries(q, k_cache, v_cache, offset, *, scale, window=None):
 
 def _pick(device: torch.device, window: int | None, head_dim: int = 128, n_queries: int | None = None,
           dtype: torch.dtype = torch.bfloat16):
-    choice = _choice()
     # cuDNN attention takes half precision only: fp32 runs (tests, --dtype float32) use the reference.
-    picked = _pick_long(device, window, head_dim, choice) if dtype != torch.float32 else chunk_attention_reference
+    picked = _pick_long(device, window, head_dim) if dtype != torch.float32 else chunk_attention_reference
     # Flex's query tile is 128: below it (head_dim 256) it failed to lower at every length tried (38, 65, 100).
     few = FEW_QUERIES if picked is not _flex_impl() else 127
-    if device.type == "cuda" and choice == "auto" and n_queries is not None and n_queries <= few and head_dim <= 256:
+    if device.type == "cuda" and n_queries is not None and n_queries <= few and head_dim <= 256:
         return _few_queries
     return picked
 
 
-def _pick_long(device: torch.device, window: int | None, head_dim: int, choice: str):
-    if device.type != "cuda" or choice == "reference":
+def _pick_long(device: torch.device, window: int | None, head_dim: int):
+    if device.type != "cuda":
         return chunk_attention_reference
-    if window is None and choice == "sdpa":
-        return chunk_attention_sdpa
-    if window is None and choice in ("auto", "cudnn") and head_dim <= 128 and head_dim % 8 == 0:
+    if window is None and head_dim <= 128 and head_dim % 8 == 0:
         return chunk_attention_cudnn
     return _flex_impl() or chunk_attention_reference
 
@@ -93,7 +79,7 @@ def chunk_attention(
 def chunk_attention_backend(device: torch.device, windows: bool = False, head_dim: int = 128) -> str:
     """Which implementations `chunk_attention` uses on `device` (for reports)."""
     names = {chunk_attention_reference: "sdpa reference (explicit mask)", chunk_attention_cudnn: "cudnn split",
-             chunk_attention_sdpa: "sdpa lower-right causal", _flex_impl(): "flex attention"}
+             _flex_impl(): "flex attention"}
     full = names[_pick(device, None, head_dim)]
     sliding = names[_pick(device, 512, head_dim)]
     text = full if not windows or sliding == full else f"{full}; sliding-window layers: {sliding}"

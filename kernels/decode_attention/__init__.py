@@ -12,11 +12,11 @@ import functools
 
 import torch
 
-from kernels.decode_attention.reference import PositionMask
+from kernels.decode_attention.reference import PositionMask, PositionRule
 from kernels.decode_attention.reference import decode_attention as decode_attention_reference
 from kernels.lse_combine import merge_partials
 
-__all__ = ["PositionMask", "decode_attention", "decode_attention_reference", "decode_backend", "merge_partials"]
+__all__ = ["PositionMask", "PositionRule", "decode_attention", "decode_attention_reference", "decode_backend", "merge_partials"]
 
 
 @functools.cache
@@ -37,27 +37,23 @@ def decode_attention(
     *,
     scale: float,
     window: int | None = None,
-    return_lse: bool = False,
     q_first: torch.Tensor | None = None,
-    key_mask: torch.Tensor | None = None,
-    key_pos: torch.Tensor | None = None,
-    q_pos: torch.Tensor | None = None,
-    position_mask: PositionMask | None = None,
+    mask: torch.Tensor | PositionMask | None = None,
+    return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the tokens at positions length-T .. length-1 (or q_first..) over their valid keys.
 
     q: [B, Hq, D] (one token) or [B, Hq, T, D]; k_cache, v_cache: [B, Hkv, S, D] (Hq % Hkv == 0); length: [B]
     int64 on q's device, T <= length <= S; keys at index >= length are never read into the result. window:
-    None for all earlier keys, else only keys with index > position - window. Returns out shaped like q in
-    q's dtype, plus lse ([B, Hq] or [B, Hq, T]) fp32 (natural log) with return_lse. q_first: [B] int64, the
-    index of the first query when it is not length - T (see the reference). key_mask: [B, Hkv, S] bool,
-    the keys each KV head may see at all. position_mask, key_pos [B, Hkv or 1, S] int64, q_pos [B] int64: a
-    mask computed from token positions inside the kernel (see reference.PositionMask).
+    None for all earlier keys, else only keys with index > position - window. q_first: [B] int64, the index
+    of the first query when it is not length - T. mask: the keys each KV head may see at all ([B, Hkv, S]
+    bool), or a PositionMask computed from token positions inside the kernel (see the reference). Returns out
+    shaped like q in q's dtype, plus lse ([B, Hq] or [B, Hq, T]) fp32 (natural log) with return_lse.
     """
     impl = _triton_impl() if q.is_cuda else None
     impl = impl or decode_attention_reference
-    return impl(q, k_cache, v_cache, length, scale=scale, window=window, return_lse=return_lse, q_first=q_first,
-                key_mask=key_mask, key_pos=key_pos, q_pos=q_pos, position_mask=position_mask)
+    return impl(q, k_cache, v_cache, length, scale=scale, window=window, q_first=q_first, mask=mask,
+                return_lse=return_lse)
 
 
 def decode_backend(device: torch.device) -> str:

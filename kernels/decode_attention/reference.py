@@ -13,15 +13,27 @@ import torch
 
 
 @dataclass(frozen=True)
-class PositionMask:
-    """Which keys a query sees, as a function of token positions (for caches whose rows are not in position
-    order, such as sas-pattern's compacted cache). torch: (q_pos, key_pos) int64 tensors, broadcasting ->
-    bool, the definition (it runs in the reference); triton: a @triton.jit function of the same two arguments
-    that the Triton kernel inlines into its key loop (a constexpr argument; None where Triton is absent).
-    Both must say False for key_pos -1 (an empty row)."""
+class PositionRule:
+    """Which keys a query sees, as a function of token positions. torch: (q_pos, key_pos) int64 tensors,
+    broadcasting -> bool, the definition (it runs in the reference); triton: a @triton.jit function of the same
+    two arguments that the Triton kernel inlines into its key loop (a constexpr argument; None where Triton is
+    absent). Both must say False for key_pos -1 (an empty row)."""
 
     torch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     triton: Any = None
+
+
+@dataclass(frozen=True)
+class PositionMask:
+    """A mask computed from token positions inside the kernel, for caches whose rows are not in position order
+    (sas-pattern's compacted cache): query t sees row j only where rule(q_pos + t, key_pos[j]) holds.
+
+    key_pos: [B, Hkv or 1, >= S] int64, each row's token position (-1: none); q_pos: [B] int64, the first
+    query's token position."""
+
+    rule: PositionRule
+    key_pos: torch.Tensor
+    q_pos: torch.Tensor
 
 
 def decode_attention(
@@ -32,12 +44,9 @@ def decode_attention(
     *,
     scale: float,
     window: int | None = None,
-    return_lse: bool = False,
     q_first: torch.Tensor | None = None,
-    key_mask: torch.Tensor | None = None,
-    key_pos: torch.Tensor | None = None,
-    q_pos: torch.Tensor | None = None,
-    position_mask: PositionMask | None = None,
+    mask: torch.Tensor | PositionMask | None = None,
+    return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the queries at positions length-T .. length-1 over keys [0, length).
 
@@ -46,13 +55,10 @@ def decode_attention(
     first + t, first = length - T by default or q_first ([B] int64) when given: it sees keys j < length with
     j <= first + t, and with a window only those with j > first + t - window. A q_first >= length attends to a
     shard of keys that all precede the queries (star's phase 2 on a context rank). Keys at index >= length
-    may hold anything, NaN included. Returns out shaped like q in q's dtype, and with return_lse also
-    lse [B, Hq] or [B, Hq, T] fp32 (natural log of the sum of exp(scaled scores)), computed in fp32; a query
-    that sees no key gets out 0 and lse -inf. key_mask: [B, Hkv, S] bool, keys a head may see at all
-    (on top of the rules above; sas-pattern's compacted cache, whose slots are not in position order).
-    position_mask with key_pos [B, Hkv or 1, S] int64 (each row's token position, -1 for none) and q_pos [B]
-    int64 (the first query's token position; query t is at q_pos + t): on top of the rules above, query t sees
-    row j only where position_mask(q_pos + t, key_pos[j]) holds.
+    may hold anything, NaN included. mask, on top of these rules: a [B, Hkv, S] bool tensor (contiguous), the
+    keys each KV head may see at all, or a PositionMask. Returns out shaped like q in q's dtype, and with
+    return_lse also lse [B, Hq] or [B, Hq, T] fp32 (natural log of the sum of exp(scaled scores)), computed in
+    fp32; a query that sees no key gets out 0 and lse -inf.
     """
     single = q.dim() == 3
     if single:
@@ -69,16 +75,16 @@ def decode_attention(
     valid = (pos <= last) & (pos < length[:, None, None])  # [B, T, hi]
     if window is not None:
         valid &= pos > last - window
-    mask = valid[:, None, None]  # [B, 1, 1, T, hi]: broadcasts over kv heads and the GQA group
-    if key_mask is not None:
-        mask = mask & key_mask[:, :, :hi][:, :, None, None, :]
-    if position_mask is not None:
-        q_at = (q_pos[:, None] + torch.arange(T, device=q.device))[:, None, :, None]  # [B, 1, T, 1]
-        mask = mask & position_mask.torch(q_at, key_pos[:, :, None, :hi])[:, :, None]
+    seen = valid[:, None, None]  # [B, 1, 1, T, hi]: broadcasts over kv heads and the GQA group
+    if isinstance(mask, PositionMask):
+        q_at = (mask.q_pos[:, None] + torch.arange(T, device=q.device))[:, None, :, None]  # [B, 1, T, 1]
+        seen = seen & mask.rule.torch(q_at, mask.key_pos[:, :, None, :hi])[:, :, None]
+    elif mask is not None:
+        seen = seen & mask[:, :, :hi][:, :, None, None, :]
 
     qg = q.float().view(B, Hkv, Hq // Hkv, T, D)
     s = torch.matmul(qg, k[:, :, None].transpose(-1, -2)) * scale  # [B, Hkv, G, T, hi]
-    s = s.masked_fill(~mask, float("-inf"))
+    s = s.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # -inf for an empty shard
     p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])
     # Zero the garbage rows of V: p is 0 there, but 0 * NaN would still be NaN.

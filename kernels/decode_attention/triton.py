@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton_common import check_device, launch_context, sm_count
+from kernels.decode_attention.reference import PositionMask
 from kernels.lse_combine.triton import combine_splits_triton
 
 _LOG2E = 1.4426950408889634
@@ -26,7 +27,7 @@ _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 2
 # Query rows (GQA group x tokens) per program: more are split over programs, each re-reading the keys.
 _MAX_ROWS = 64
 # Many rows (rectification: G x 32 tokens) per program, at head_dim <= 128 (half at 256), warps, stages. H100,
-# 32 tokens over 128K keys (results/2026-11-23_h100_rectify_attention_sweep.json): Llama-8B's 128 rows 0.232
+# 32 tokens over 128K keys (benchmarks/bench_resa_kernels.py --sweep-rectify): Llama-8B's 128 rows 0.232
 # ms a layer, against 0.379 as two programs of 64 rows each re-reading the keys; Gemma 3's 0.134 vs 0.209.
 MANY_ROWS = {"rows": 128, "warps": 8, "stages": 3}
 
@@ -135,21 +136,17 @@ def num_splits_for(batch: int, n_kv_heads: int, capacity: int, device: torch.dev
     return max(1, min(target, triton.cdiv(capacity, _BLOCK_N), _MAX_SPLITS))
 
 
-def _validate_positions(k_cache, key_pos, q_pos, position_mask) -> None:
+def _validate_positions(k_cache, mask) -> None:
     B, Hkv, S = k_cache.shape[:3]
-    if position_mask is None:
-        if key_pos is not None or q_pos is not None:
-            raise ValueError("key_pos and q_pos are only read with a position_mask")
-        return
-    if position_mask.triton is None:
-        raise ValueError("expected a position_mask with a Triton function for the Triton kernel, got none")
-    if key_pos is None or key_pos.dim() != 3 or key_pos.shape[0] != B or key_pos.shape[1] not in (1, Hkv) \
+    if mask.rule.triton is None:
+        raise ValueError("expected a position mask with a Triton function for the Triton kernel, got none")
+    key_pos, q_pos = mask.key_pos, mask.q_pos
+    if key_pos.dim() != 3 or key_pos.shape[0] != B or key_pos.shape[1] not in (1, Hkv) \
             or key_pos.shape[2] < S or key_pos.dtype != torch.int64:
-        raise ValueError(f"expected key_pos of shape [{B}, {Hkv} or 1, >= {S}] int64 with a position_mask, got "
-                         f"{None if key_pos is None else (tuple(key_pos.shape), key_pos.dtype)}")
-    if q_pos is None or q_pos.shape != (B,) or q_pos.dtype != torch.int64:
-        raise ValueError(f"expected q_pos of shape [{B}] int64 with a position_mask, got "
-                         f"{None if q_pos is None else (tuple(q_pos.shape), q_pos.dtype)}")
+        raise ValueError(f"expected key_pos of shape [{B}, {Hkv} or 1, >= {S}] int64, got "
+                         f"{(tuple(key_pos.shape), key_pos.dtype)}")
+    if q_pos.shape != (B,) or q_pos.dtype != torch.int64:
+        raise ValueError(f"expected q_pos of shape [{B}] int64, got {(tuple(q_pos.shape), q_pos.dtype)}")
 
 
 def _validate(q, k_cache, v_cache, length, window, q_first, key_mask) -> None:
@@ -168,7 +165,7 @@ def _validate(q, k_cache, v_cache, length, window, q_first, key_mask) -> None:
         raise ValueError(f"expected q_first of shape [{B}] int64, got {tuple(q_first.shape)} {q_first.dtype}")
     if key_mask is not None and (key_mask.shape != k_cache.shape[:3] or key_mask.dtype != torch.bool
                                  or not key_mask.is_contiguous()):
-        raise ValueError(f"expected a contiguous bool key_mask of shape {tuple(k_cache.shape[:3])}, got "
+        raise ValueError(f"expected a contiguous bool mask of shape {tuple(k_cache.shape[:3])}, got "
                          f"{tuple(key_mask.shape)} {key_mask.dtype}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"expected q in float16, bfloat16 or float32, got {q.dtype}")
@@ -192,12 +189,9 @@ def decode_attention_triton(
     *,
     scale: float,
     window: int | None = None,
-    return_lse: bool = False,
     q_first: torch.Tensor | None = None,
-    key_mask: torch.Tensor | None = None,
-    key_pos: torch.Tensor | None = None,
-    q_pos: torch.Tensor | None = None,
-    position_mask=None,
+    mask: torch.Tensor | PositionMask | None = None,
+    return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as reference.decode_attention; CUDA tensors only, CUDA-graph capturable.
 
@@ -206,11 +200,15 @@ def decode_attention_triton(
     """
     single = q.dim() == 3
     q4 = q.unsqueeze(2) if single else q
+    positions = mask if isinstance(mask, PositionMask) else None
+    key_mask = None if positions is not None else mask
     _validate(q4, k_cache, v_cache, length, window, q_first, key_mask)
-    _validate_positions(k_cache, key_pos, q_pos, position_mask)
-    for name, t in (("key_pos", key_pos), ("q_pos", q_pos)):
-        if t is not None:
-            check_device(name, t, q.device)
+    key_pos = q_pos = None
+    if positions is not None:
+        _validate_positions(k_cache, positions)
+        key_pos, q_pos = positions.key_pos, positions.q_pos
+        check_device("key_pos", key_pos, q.device)
+        check_device("q_pos", q_pos, q.device)
     B, Hq, T, D = q4.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
@@ -231,8 +229,8 @@ def decode_attention_triton(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             T, GROUP=group, ROWS_PAD=rows_pad, HEAD_DIM=D,
             BLOCK_N=_BLOCK_N, HAS_WINDOW=window is not None, HAS_QFIRST=q_first is not None,
-            HAS_KEYMASK=key_mask is not None, HAS_POSITION_MASK=position_mask is not None,
-            POSITION_MASK=None if position_mask is None else position_mask.triton,
+            HAS_KEYMASK=key_mask is not None, HAS_POSITION_MASK=positions is not None,
+            POSITION_MASK=None if positions is None else positions.rule.triton,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=num_warps, num_stages=num_stages,
         )
