@@ -8,7 +8,7 @@ The tokenizer needs its own path: transformers turns a SentencePiece-BPE GGUF vo
 model without merges, as Gemma 3 ships it) into a Unigram model, which segments text differently from the
 original tokenizer ("capital" -> 4 pieces instead of one token). We rebuild the BPE instead: SentencePiece
 BPE merges the adjacent pair whose concatenation has the highest score, so every way of splitting a vocabulary
-entry into two entries is a merge ranked by that entry's score.
+entry into two entries is a merge ranked by that entry's score (transformers' `generate_merges`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def spm_bpe_tokenizer(gguf_path: Path):
     from gguf import GGUFReader
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import generate_merges
 
     reader = GGUFReader(str(gguf_path))
     if _scalar(reader, "tokenizer.ggml.model") != "llama" or "tokenizer.ggml.merges" in reader.fields:
@@ -54,16 +55,9 @@ def spm_bpe_tokenizer(gguf_path: Path):
     types = _number_array(reader, "tokenizer.ggml.token_type")
     vocab = {tok: i for i, tok in enumerate(tokens)}
 
-    ranked = []
-    for i, tok in enumerate(tokens):
-        if types[i] not in (_NORMAL, _USER_DEFINED):
-            continue
-        for cut in range(1, len(tok)):
-            left, right = vocab.get(tok[:cut]), vocab.get(tok[cut:])
-            if left is not None and right is not None:
-                ranked.append((-float(scores[i]), left, right))
-    ranked.sort()
-    merges = [(tokens[a], tokens[b]) for _, a, b in ranked]
+    regular = {tok for i, tok in enumerate(tokens) if types[i] in (_NORMAL, _USER_DEFINED)}
+    merges = generate_merges(vocab, {tok: float(scores[i]) for i, tok in enumerate(tokens)},
+                             skip_tokens=set(tokens) - regular)
 
     unk = tokens[_scalar(reader, "tokenizer.ggml.unknown_token_id", 0)]
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=True, unk_token=unk))
