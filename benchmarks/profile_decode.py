@@ -92,7 +92,7 @@ def main() -> None:
         kernel_ms, count, top, table = _kernel_table(step._step, step.blocks, args.rows)
         print(table)
         result.update(eager_kernel_ms=kernel_ms, kernels=count, top_kernels=top)
-        rectify = state.engine_data.get("rectify") if args.rectify else None
+        rectify = getattr(state, "rectify", None) if args.rectify else None
         if rectify is not None:
             start = state.position + args.steps  # scratch slots inside the reserve
             result["rectify_graph_ms"] = _replay_ms(lambda: rectify(list(range(1000, 1000 + rectify.n)), start), 10)

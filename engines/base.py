@@ -7,7 +7,17 @@ the engine's per-layer state. The template methods here do the rest:
     prefill(ids)  -> DocumentState     chunked: `chunk_size` tokens per forward, logits of the last token only
     answer(state, question_ids, ...)   question through the same chunk path, then one DecodeStep per token
 
-A subclass sets `name`, `Config`, and overrides `attention` (and `make_cache` when it keeps other state).
+A subclass sets `name` and `Config` (a dataclass validated in `__post_init__` with `require`) and overrides:
+
+    attention            (static) the registered attention function; it sees only the cache, which transformers
+                         passes as `longctx`: whatever it reads per layer or per document lives on the cache
+    make_cache           when it keeps other per-layer state (its own cache layers, engine settings they read)
+    State                when decoding keeps per-document state of its own: a DocumentState subclass, typed
+    memory_plan          when its state is not a plain KV cache (it must equal what prefill allocates)
+    backends, counters   what the report shows
+and, where its data path differs, prefill / _encode_question (streaming, ranks), _on_decode_start and
+_after_step (work around decode steps, e.g. resa's rectification), plan_notes and kv_read_bytes (for `plan`
+and the roofline). Per-document state lives in the state and its cache, never on the engine.
 """
 
 from __future__ import annotations
@@ -31,7 +41,8 @@ from kernels.decode_attention import decode_attention
 
 @dataclass
 class DocumentState:
-    """What prefill leaves behind: the KV cache, where the next token goes and the last logits [1, V]."""
+    """What prefill leaves behind: the KV cache, where the next token goes and the last logits [1, V].
+    counters: what prefill measured, for the report. Engines with more per-document state subclass it."""
 
     cache: StaticKVCache
     n_tokens: int
@@ -40,7 +51,6 @@ class DocumentState:
     prefill_s: float
     decode: DecodeStep | None = None
     counters: dict = field(default_factory=dict)
-    engine_data: dict = field(default_factory=dict)  # an engine's own per-document state
 
 
 def exact_attention(query, key, value, scaling, sliding_window, cache):
@@ -85,6 +95,7 @@ def _inside_engine(attention):
 class Engine(ABC):
     name: ClassVar[str]
     Config: ClassVar[type]
+    State: ClassVar[type[DocumentState]] = DocumentState
 
     def __init__(self, lm, config, run, *, home: Path | None = None):
         """home: where the engine may keep what it derives once per model (e.g. ltri's retrieval heads);
@@ -172,7 +183,7 @@ class Engine(ABC):
         cache = self.make_cache(ids.numel() + reserve, reserve)
         logits = self._extend(cache, ids, 0, progress)
         synchronize(self.device)
-        return DocumentState(cache, ids.numel(), ids.numel(), logits, time.perf_counter() - start)
+        return self.State(cache, ids.numel(), ids.numel(), logits, time.perf_counter() - start)
 
     def _encode_question(self, state: DocumentState, question_ids: torch.Tensor, n_new: int) -> torch.Tensor:
         """The question through the chunk path after the document; checks room for n_new more tokens.

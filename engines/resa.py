@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -111,6 +111,26 @@ class ResaKVCache(StaticKVCache):
         self._length = {torch.device("cpu"): torch.tensor([offset + n])}
 
 
+@dataclass
+class ResaState(DocumentState):
+    """A document's state under resa: the cache (descriptors included) and what decoding did since the
+    question: the rectification pass (None: never), the tokens it will re-encode, and the report's tallies."""
+
+    rectify: StaticForward | None = None
+    pending: list[int] = field(default_factory=list)  # tokens decoded since the last rectification
+    steps: int = 0
+    kept_tokens: int = 0  # summed over steps: tokens of the blocks kept, and of the whole context
+    context_tokens: int = 0
+    rectifications: int = 0
+    rectify_s: float = 0.0  # CPU; on GPU the events' times
+    rectify_events: list = field(default_factory=list)
+
+    def start_decoding(self, rectify: StaticForward | None) -> None:
+        self.rectify, self.pending, self.rectify_events = rectify, [], []
+        self.steps = self.kept_tokens = self.context_tokens = self.rectifications = 0
+        self.rectify_s = 0.0
+
+
 def _describe(layer: ResaKVLayer, key: torch.Tensor, length: torch.Tensor, n_new: int, block_size: int) -> None:
     update_block_descriptors(key, layer.kmax, layer.kmin, length, n_new, block_size, layer.kmean)
 
@@ -125,6 +145,7 @@ def _clock(cache: ResaKVCache, key: str, start: float) -> float:
 class ResaEngine(Engine):
     name = "resa"
     Config = ResaConfig
+    State = ResaState
 
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
@@ -187,50 +208,46 @@ class ResaEngine(Engine):
                 "decode_attention": f"{sparse_decode_backend(self.device)} (sparse layers), "
                                     f"{decode_backend(self.device)} (exact layers, rectification)"}
 
-    def _on_decode_start(self, state: DocumentState) -> None:
+    def _on_decode_start(self, state: ResaState) -> None:
         f = self.config.rectify_every
-        data = state.engine_data
-        data.update(pending=[], steps=0, kept_tokens=0, context_tokens=0, rectifications=0, rectify_s=0.0,
-                    rectify_events=[])
+        rectify = None
         if f and state.position + f <= state.cache.capacity:
             cache = state.cache
             use_graph = self.run.decode_graph and self.single_device and self.device.type == "cuda"
             # The decode step's modules (compiled ones compile once more, for f tokens).
-            data["rectify"] = StaticForward(lambda ids, pos: self._forward(cache, ids, pos), cache, f, self.device,
-                                            use_graph, self._decode_blocks(use_graph, self.run.compile_decode))
+            rectify = StaticForward(lambda ids, pos: self._forward(cache, ids, pos), cache, f, self.device,
+                                    use_graph, self._decode_blocks(use_graph, self.run.compile_decode))
             # Captured now, not at the first rectification, so that it never lands inside timed decoding;
             # its scratch writes go to slots the decode steps overwrite before reading them.
-            data["rectify"].capture(state.position)
+            rectify.capture(state.position)
+        state.start_decoding(rectify)
 
-    def _after_step(self, state: DocumentState, fed_token: int) -> None:
-        data = state.engine_data
+    def _after_step(self, state: ResaState, fed_token: int) -> None:
         length = state.position + 1
-        data["steps"] += 1
-        data["context_tokens"] += length
-        data["kept_tokens"] += min(length, self.config.rule.keep(cdiv(length, self.config.block_size))
-                                   * self.config.block_size)
-        rectify = data.get("rectify")
-        if rectify is None:
+        state.steps += 1
+        state.context_tokens += length
+        state.kept_tokens += min(length, self.config.rule.keep(cdiv(length, self.config.block_size))
+                                 * self.config.block_size)
+        if state.rectify is None:
             return
-        data["pending"].append(fed_token)
-        if len(data["pending"]) < self.config.rectify_every:
+        state.pending.append(fed_token)
+        if len(state.pending) < self.config.rectify_every:
             return
-        start = length - len(data["pending"])
+        start = length - len(state.pending)
         if self.device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            rectify(data["pending"], start)
+            state.rectify(state.pending, start)
             end.record()
-            data["rectify_events"].append((begin, end))
+            state.rectify_events.append((begin, end))
         else:
             t0 = time.perf_counter()
-            rectify(data["pending"], start)
-            data["rectify_s"] += time.perf_counter() - t0
-        data["pending"] = []
-        data["rectifications"] += 1
+            state.rectify(state.pending, start)
+            state.rectify_s += time.perf_counter() - t0
+        state.pending = []
+        state.rectifications += 1
 
-    def counters(self, state: DocumentState) -> dict:
-        data = state.engine_data
+    def counters(self, state: ResaState) -> dict:
         covered, total = len(full_layers(self.model.config)), len(layer_types(self.model.config))
         out = {**super().counters(state),
                "sparse_layers": f"{covered}/{total}" + ("" if covered == total else
@@ -239,15 +256,14 @@ class ResaEngine(Engine):
                "group_pooling": self.config.pooling,
                "block_centroid": self.config.centroid,
                "selection_width_blocks": state.cache.width}
-        steps = data.get("steps", 0)
-        if not steps:
+        if not state.steps:
             return out
-        rectify_s = data["rectify_s"] + sum(b.elapsed_time(e) for b, e in data["rectify_events"]) / 1000
+        rectify_s = state.rectify_s + sum(b.elapsed_time(e) for b, e in state.rectify_events) / 1000
         n_blocks = cdiv(state.position, self.config.block_size)
-        out.update(decode_steps=steps, blocks_kept_last_step=self.config.rule.keep(n_blocks),
+        out.update(decode_steps=state.steps, blocks_kept_last_step=self.config.rule.keep(n_blocks),
                    blocks_total_last_step=n_blocks,
-                   kv_fraction_read=round(data["kept_tokens"] / data["context_tokens"], 4),
-                   rectifications=data["rectifications"], rectification_s=round(rectify_s, 4))
+                   kv_fraction_read=round(state.kept_tokens / state.context_tokens, 4),
+                   rectifications=state.rectifications, rectification_s=round(rectify_s, 4))
         if state.cache.timed:
             out.update({k: round(v, 4) for k, v in state.cache.times.items()})
         else:

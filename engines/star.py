@@ -22,7 +22,7 @@ positions p0 .. p1, slot = position - shift), then on the query rank the questio
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -164,6 +164,28 @@ class AnchorSync:
             value[:, :, lo:self.tokens].copy_(buf[1])
 
 
+@dataclass
+class RankTally:
+    """What one rank did for a document, for the report (gathered over ranks into star_per_rank)."""
+
+    blocks: int
+    context_tokens: int
+    phase1_s: float
+    anchor_broadcast_bytes: int
+    phase2_s: float = 0.0
+    phase2_bytes_received: int = 0
+
+
+@dataclass
+class StarState(DocumentState):
+    """A document's state on one rank: its shard of the cache, the block layout, the question's length (phase 2
+    forwards before decoding) and this rank's tally."""
+
+    layout: StarLayout | None = None
+    phase2_tokens: int = 0
+    tally: RankTally | None = None
+
+
 def _gather_merge(out: torch.Tensor, lse: torch.Tensor, world: int) -> torch.Tensor:
     """out [B, Hq, T, D], lse [B, Hq, T] of this rank's shard -> the merge over every rank's shard [B, Hq, T, D]."""
     packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)
@@ -179,6 +201,7 @@ def _gather_merge(out: torch.Tensor, lse: torch.Tensor, world: int) -> torch.Ten
 class StarEngine(Engine):
     name = "star"
     Config = StarConfig
+    State = StarState
 
     def __init__(self, lm, config, run, *, home: Path | None = None):
         super().__init__(lm, config, run, home=home)
@@ -289,12 +312,11 @@ class StarEngine(Engine):
             dist.broadcast(logits, src=self.query_rank)
             dist.barrier()
         cache.phase = 2
-        state = DocumentState(cache, ids.numel(), ids.numel(), logits, time.perf_counter() - start)
-        state.engine_data["layout"] = layout
+        tally = RankTally(len(mine), p1 - p0, phase1_s, sync.sent_bytes if sync else 0)
+        state = StarState(cache, ids.numel(), ids.numel(), logits, time.perf_counter() - start, layout=layout,
+                          tally=tally)
         state.counters.update(star_blocks=len(layout.bounds), star_block_tokens=layout.bounds[0][1],
                               star_anchor_tokens=a, star_ranks=self.world, star_scratch_bytes=scratch_bytes)
-        state.engine_data["rank"] = {"blocks": len(mine), "context_tokens": p1 - p0, "phase1_s": phase1_s,
-                                     "anchor_broadcast_bytes": sync.sent_bytes if sync else 0}
         return state
 
     def _encode_later_blocks(self, cache: StarCache, ids, layout: StarLayout, blocks,
@@ -319,7 +341,7 @@ class StarEngine(Engine):
                 home.values[:, :, slot:slot + hi - lo].copy_(layer.values[:, :, a:a + hi - lo])
         return logits, scratch.nbytes()
 
-    def _encode_question(self, state: DocumentState, question_ids: torch.Tensor, n_new: int) -> torch.Tensor:
+    def _encode_question(self, state: StarState, question_ids: torch.Tensor, n_new: int) -> torch.Tensor:
         """Phase 2 for the question: every rank runs it; the query rank keeps its K/V."""
         self.activate()
         cache = state.cache
@@ -330,11 +352,11 @@ class StarEngine(Engine):
         if question_ids.numel():
             logits = self._encode(cache, question_ids, state.position, state.position - cache.shift)
         state.position += question_ids.numel()
-        state.engine_data["phase2_tokens"] = question_ids.numel()
+        state.phase2_tokens = question_ids.numel()
         return logits
 
     @torch.inference_mode()
-    def answer(self, state: DocumentState, question_ids: torch.Tensor, max_new_tokens: int, sampler):
+    def answer(self, state: StarState, question_ids: torch.Tensor, max_new_tokens: int, sampler):
         start = time.perf_counter()
         produced = 0
         try:
@@ -343,17 +365,16 @@ class StarEngine(Engine):
                 yield token
         finally:
             synchronize(self.device)
-            rank = state.engine_data["rank"]
-            rank["phase2_s"] = time.perf_counter() - start
+            state.tally.phase2_s = time.perf_counter() - start
             # Forwards in phase 2: the question, then one per generated token after the first.
-            tokens = state.engine_data.get("phase2_tokens", 0) + max(0, produced - 1)
+            tokens = state.phase2_tokens + max(0, produced - 1)
             text = self.text_config
             per_token = text.num_hidden_layers * text.num_attention_heads * (self.head_dim + 1) * 4
-            rank["phase2_bytes_received"] = tokens * per_token * (self.world - 1)
+            state.tally.phase2_bytes_received = tokens * per_token * (self.world - 1)
 
-    def counters(self, state: DocumentState) -> dict:
+    def counters(self, state: StarState) -> dict:
         counters = super().counters(state)
-        rank = state.engine_data.get("rank", {})
+        rank = asdict(state.tally)
         ranks = [rank]
         if self.world > 1:
             ranks = [None] * self.world

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engines import ENGINES
+from engines.cache import head_dim
 from longctx_cli.inputs import collect_documents, iter_text, tokenize_stream
 from longctx_cli.models import load_config, load_tokenizer, max_context, pick_device, pick_dtype
 from longctx_cli.report import gib
@@ -47,8 +48,7 @@ def parameter_bytes(config, dtype_bytes: int) -> int:
 def activation_bytes(config, chunk: int, context: int, dtype_bytes: int, device: torch.device) -> int:
     """Peak transient memory of one prefill chunk: hidden states, MLP, q/k/v, attention scratch, logits."""
     text = config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    qkv = (text.num_attention_heads + 2 * text.num_key_value_heads) * head_dim
+    qkv = (text.num_attention_heads + 2 * text.num_key_value_heads) * head_dim(config)
     per_token = 4 * text.hidden_size + 3 * text.intermediate_size + qkv
     scratch = 0
     if device.type == "cpu":

@@ -251,7 +251,7 @@ def test_flush_outside_inference_mode_indexes_blocks_made_inside_it():
         keys, votes = torch.randn(2, 8, 3), torch.rand(8)
     config = LtriConfig(block_size=4, n_init=4, n_local=8, min_vectors=2, max_vectors=3, successor_tail=0)
     indexer = Indexer(config, SimpleNamespace(num_attention_heads=2))
-    cache = SimpleNamespace(span_queue=[], pick_queue=[(layer, 0, 0, keys, votes)],
+    cache = SimpleNamespace(span_queue=[], pick_queue=[(layer, 0, 0, keys, votes)], lams={},
                             stats={"blocks_indexed": 0, "spans": 0})
     indexer.flush(cache)
     assert layer.index.block.used.tolist() == [0, 0, 0, 1, 1, 1] and cache.stats["blocks_indexed"] == 2

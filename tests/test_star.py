@@ -28,7 +28,7 @@ def test_phase1_kv_equal_the_papers_augmented_blocks(lm, story_text):
     doc, _ = story_ids(lm, story_text, 1300)
     engine = make_engine(lm, "star", chunk_size=160, block_size=450, anchor_size=300)
     state = engine.prefill(doc, reserve=4)
-    layout = state.engine_data["layout"]
+    layout = state.layout
     assert layout.bounds == ((0, 450), (450, 900), (900, 1300)) and layout.anchor == 300
     model = lm.model
     model.set_attn_implementation("sdpa")

@@ -179,6 +179,8 @@ class LtriCache(StaticKVCache):
         self.span_queue: list = []  # (layer, layer index, first block id, maps [k, block, block]) to divide
         self.pick_queue: list = []  # (layer, layer index, first block id, keys, votes) evicted, to index
         self.question = False  # the chunk in flight is the question (see LtriConfig.compensate_question)
+        self.lams: dict[int, float] = {}  # per layer, lam calibrated to LtriConfig.compression
+        self.lam_samples: dict[int, list[tuple[int, float]]] = {}  # (length, confidence) of recent spans
         self.stats = {"host_to_device_bytes": 0, "device_to_host_bytes": 0, "blocks_retrieved": 0,
                       "retrievals": 0, "spans": 0, "blocks_indexed": 0, "successors": 0}
 

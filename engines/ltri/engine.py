@@ -210,7 +210,6 @@ class LtriEngine(Engine):
             raise EngineInputError(f"chunk_size {self.run.chunk_size} is not a multiple of block_size "
                                    f"{self.config.block_size}")
         self._check_host_memory(ids.numel() + reserve)
-        self.indexer.reset()
         state = super().prefill(ids, reserve=reserve, progress=progress)
         self.indexer.flush(state.cache)  # the last chunk's blocks, so that the counters are complete
         return state

@@ -1,6 +1,7 @@
 """The index side of `ltri-stream`: span index vectors in, block retrieval out (sections 3.3-3.5).
 
-One Indexer per engine; its per-document state (lam calibration samples, counters) is reset by prefill.
+One Indexer per engine, holding settings only: a document's state (queues, lam calibration, counters) lives on
+its LtriCache.
 Span scoring runs on the maps' device (engines/ltri/spans.py); the host does the NMS; index vectors are picked
 on the host by votes (the paper) or on the device by farthest-point sampling of the keys (`pick: cover`).
 Stored-side span division is queued per layer and run once per chunk for all layers (`flush`).
@@ -24,30 +25,25 @@ class Indexer:
         self.cfg = config
         self.n_heads = text_config.num_attention_heads
         self.heads = heads or {}
-        self.reset()
 
-    def reset(self) -> None:
-        self.samples: dict[int, list[tuple[int, float]]] = {}
-        self.lams: dict[int, float] = {}
-
-    def lam(self, layer_idx: int) -> float:
+    def lam(self, layer_idx: int, cache: LtriCache) -> float:
         if layer_idx < _FIRST_LAYERS:
             return self.cfg.lam_first_layers
-        return self.lams.get(layer_idx, self.cfg.lam)
+        return cache.lams.get(layer_idx, self.cfg.lam)
 
-    def _allocate(self, layer_idx: int, found: list[sp.Span], votes: torch.Tensor) -> list[int]:
-        return sp.allocate(found, votes, self.lam(layer_idx), self.cfg.min_vectors, self.cfg.max_vectors)
+    def _allocate(self, layer_idx: int, found: list[sp.Span], votes: torch.Tensor, cache: LtriCache) -> list[int]:
+        return sp.allocate(found, votes, self.lam(layer_idx, cache), self.cfg.min_vectors, self.cfg.max_vectors)
 
-    def _record(self, layer_idx: int, found: list[sp.Span]) -> None:
+    def _record(self, layer_idx: int, found: list[sp.Span], cache: LtriCache) -> None:
         """Keeps spans for the per-layer lam lookup (section 3.3.2) when a target compression is set."""
         if self.cfg.compression is None or layer_idx < _FIRST_LAYERS:
             return
-        seen = self.samples.setdefault(layer_idx, [])
+        seen = cache.lam_samples.setdefault(layer_idx, [])
         seen.extend((s.length, s.confidence) for s in found)
         del seen[:-_CALIBRATION_SPANS]
         lengths = torch.tensor([n for n, _ in seen], dtype=torch.float64)
         conf = torch.tensor([c for _, c in seen], dtype=torch.float64)
-        self.lams[layer_idx] = sp.calibrate_lambda(lengths, conf, self.cfg.compression)
+        cache.lams[layer_idx] = sp.calibrate_lambda(lengths, conf, self.cfg.compression)
 
     def head_weights(self, layer_idx: int, device: torch.device) -> torch.Tensor:
         """[Hq] weights of the query heads in retrieval: the layer's retrieval head, else all alike."""
@@ -83,18 +79,19 @@ class Indexer:
                 for k in range(maps.shape[0]):
                     found = next(found_all)
                     layer.pending[first + k] = found
-                    self._record(layer_idx, found)
+                    self._record(layer_idx, found, cache)
                     cache.stats["spans"] += len(found)
         if cache.pick_queue:
             queue, cache.pick_queue = cache.pick_queue, []
             self._cover(queue, cache)
 
-    def _pick(self, layer: LtriLayer, layer_idx: int, block_id: int, votes: torch.Tensor) -> list[int]:
+    def _pick(self, layer: LtriLayer, layer_idx: int, block_id: int, votes: torch.Tensor,
+              cache: LtriCache) -> list[int]:
         """Rows (within the block) whose keys become the block's index vectors."""
         if self.cfg.index == "static":
             return votes.topk(min(self.cfg.repr_topk, votes.numel())).indices.tolist()
         found = layer.pending.pop(block_id, None) or [sp.Span(0, votes.numel() - 1, 0.0, 1.0)]
-        return self._allocate(layer_idx, found, votes)
+        return self._allocate(layer_idx, found, votes, cache)
 
     def evict(self, layer: LtriLayer, layer_idx: int, cache: LtriCache) -> None:
         """Whole blocks past the window go to CPU memory, indexed by their span index vectors."""
@@ -114,7 +111,7 @@ class Indexer:
         votes = votes.cpu()
         rows, ids = [], []
         for i in range(n):
-            picked = self._pick(layer, layer_idx, first + i, votes[i * layer.block:(i + 1) * layer.block])
+            picked = self._pick(layer, layer_idx, first + i, votes[i * layer.block:(i + 1) * layer.block], cache)
             rows.extend(i * layer.block + r for r in picked)
             ids.extend([first + i] * len(picked))
         index = torch.tensor(rows, dtype=torch.long, device=keys.device)
@@ -136,7 +133,7 @@ class Indexer:
                 feats = keys[self.heads[layer_idx][0] // (self.n_heads // keys.shape[0])][None]
             feats = feats.view(feats.shape[0], n, b, -1).permute(1, 2, 0, 3).flatten(2)  # [n, block, F]
             ranges = [sp.slot_ranges(layer.pending.pop(first + i, None) or [sp.Span(0, b - 1, 0.0, 1.0)],
-                                     self.lam(layer_idx), self.cfg.min_vectors, self.cfg.max_vectors, b)
+                                     self.lam(layer_idx, cache), self.cfg.min_vectors, self.cfg.max_vectors, b)
                       for i in range(n)]
             groups.setdefault(feats.shape[-1], []).append((layer, first, keys, feats, votes.view(n, b), ranges))
         for items in groups.values():
@@ -153,7 +150,7 @@ class Indexer:
                 layer.index.add(keys[:, rows].transpose(0, 1), blocks, rows % layer.block)
                 cache.stats["blocks_indexed"] += p.shape[0]
 
-    def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling) -> torch.Tensor:
+    def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling, cache: LtriCache) -> torch.Tensor:
         """The chunk's query index vectors [A, Hq, D]: its own causal map, block by block,
         divided into spans, the top-voted queries of each span (Eq. 7, within the bounds of a block)."""
         _, Hq, T, D = query.shape
@@ -174,7 +171,7 @@ class Indexer:
         for maps in pieces:
             for found in sp.divide_many(maps, self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode):
                 width = maps.shape[-1]
-                rows.extend(lo + r for r in self._allocate(layer_idx, found, votes[lo:lo + width]))
+                rows.extend(lo + r for r in self._allocate(layer_idx, found, votes[lo:lo + width], cache))
                 lo += width
         picked = torch.tensor(rows, dtype=torch.long, device=query.device)
         return query[0][:, picked].transpose(0, 1)
@@ -188,7 +185,7 @@ class Indexer:
         if n_blocks <= k:
             wanted = list(range(n_blocks))
         else:
-            qvec = self._query_vectors(layer, layer_idx, query, key, scaling)
+            qvec = self._query_vectors(layer, layer_idx, query, key, scaling, cache)
             hkv = key.shape[1]
             w = self.head_weights(layer_idx, query.device)
             qw = (qvec.float() * w[None, :, None]).view(qvec.shape[0], hkv, -1, qvec.shape[-1]).sum(dim=2)
@@ -265,6 +262,6 @@ class Indexer:
             "ltri_device_to_host_bytes": stats["device_to_host_bytes"],
             "ltri_retrieval_heads": ", ".join(f"L{l}:h{h} ({s:.2f})" for l, (h, s) in sorted(self.heads.items()))
             or "none (all heads averaged)",
-            "ltri_lambda": ", ".join(f"L{l}:{v:.1f}" for l, v in sorted(self.lams.items())) or None,
+            "ltri_lambda": ", ".join(f"L{l}:{v:.1f}" for l, v in sorted(cache.lams.items())) or None,
         }
         return {k: v for k, v in out.items() if v is not None}
