@@ -18,6 +18,12 @@ A subclass sets `name` and `Config` (a dataclass validated in `__post_init__` wi
 and, where its data path differs, prefill / _encode_question (streaming, ranks), _on_decode_start and
 _after_step (work around decode steps, e.g. resa's rectification), plan_notes and kv_read_bytes (for `plan`
 and the roofline). Per-document state lives in the state and its cache, never on the engine.
+
+Read once, ask many: an engine with `reusable = True` answers any number of questions from one state, each
+between `checkpoint` (what the question and its answer may overwrite, O(question + answer)) and `restore`;
+`export_state` / `import_state` turn a state into tensors and scalars for the saved-state store and back
+(`state_inputs`: what else shapes the state, for its key). The defaults fit a cache the answer only appends to.
+`check` refuses, from the model's config alone (before weights load), what the engine cannot take.
 """
 
 from __future__ import annotations
@@ -143,6 +149,58 @@ class Engine(ABC):
         window = getattr(model_config.get_text_config(decoder=True), "sliding_window", None) or n_tokens
         return kv_token_bytes(model_config, dtype_bytes) * sum(
             min(window, n_tokens) if t == "sliding_attention" else n_tokens for t in layer_types(model_config))
+
+    @classmethod
+    def check(cls, model_config, engine_config, run, n_tokens: int | None = None, reserve: int = 0) -> None:
+        """Raise EngineInputError for what this configuration cannot take on this model (and, given n_tokens,
+        for a document of n_tokens with `reserve` more): called before the weights load."""
+
+    reusable: ClassVar[bool] = False
+
+    @torch.inference_mode()
+    def checkpoint(self, state: DocumentState) -> object:
+        """What a question and its answer may overwrite, kept for `restore` (here: a cache they only append
+        to, so the position alone)."""
+        return state.position
+
+    @torch.inference_mode()
+    def restore(self, state: DocumentState, checkpoint) -> None:
+        """Back to the state `checkpoint` was taken from: the next question sees the document alone."""
+        state.position = checkpoint
+
+    def state_inputs(self, n_tokens: int, reserve: int) -> dict:
+        """What shapes the state beyond the model, the settings and the document (part of its saved key)."""
+        return {}
+
+    @torch.inference_mode()
+    def export_state(self, state: DocumentState) -> tuple[dict, dict]:
+        """(tensors, JSON-able scalars) that `import_state` rebuilds the state from: the document's K/V."""
+        n = state.n_tokens
+        tensors = {"last_logits": state.last_logits}
+        for i, layer in enumerate(state.cache.layers):
+            tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"] = layer.keys[:, :, :n], layer.values[:, :, :n]
+        return tensors, {"n_tokens": n, "prefill_s": state.prefill_s, "counters": state.counters}
+
+    @torch.inference_mode()
+    def import_state(self, tensors: dict, meta: dict, reserve: int) -> DocumentState:
+        """A state from `export_state`'s output, with room for `reserve` more tokens; tensors on any device."""
+        n = meta["n_tokens"]
+        cache = self.make_cache(n + reserve, reserve)
+        for i, layer in enumerate(cache.layers):
+            keys = tensors[f"layers.{i}.keys"].to(self.layer_device(i))
+            values = tensors[f"layers.{i}.values"].to(keys.device)
+            layer.lazy_initialization(keys, values)
+            layer.keys[:, :, :n], layer.values[:, :, :n] = keys, values
+        cache.filled = n
+        return self.State(cache, n, n, tensors["last_logits"].to(self.device), meta.get("prefill_s", 0.0),
+                          counters=dict(meta.get("counters", {})))
+
+    def layer_device(self, index: int) -> torch.device:
+        """The device of decoder layer `index` (accelerate may spread the layers over several GPUs)."""
+        try:
+            return next(self.model.get_decoder().layers[index].parameters()).device
+        except (AttributeError, IndexError, StopIteration):
+            return self.device
 
     def make_cache(self, capacity: int, reserve: int) -> StaticKVCache:
         """The cache for a document of capacity - reserve tokens and reserve more (the question, the answer)."""

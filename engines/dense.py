@@ -22,6 +22,7 @@ class DenseConfig:
 class DenseEngine(Engine):
     name = "dense"
     Config = DenseConfig
+    reusable = True
 
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,

@@ -247,6 +247,48 @@ class ResaEngine(Engine):
         state.pending = []
         state.rectifications += 1
 
+    reusable = True
+    _DESCRIPTORS = ("kmax", "kmin", "kmean")
+
+    def _descriptor_layers(self, cache: ResaKVCache) -> list[tuple[int, ResaKVLayer]]:
+        return [(i, layer) for i, layer in enumerate(cache.layers) if not layer.is_sliding and layer.is_initialized]
+
+    @torch.inference_mode()
+    def checkpoint(self, state: ResaState) -> tuple:
+        """The position and the descriptors of the blocks from the document's last one on: the question and
+        the answer write only there (their K/V land past the document, which the base checkpoint covers)."""
+        first = state.n_tokens // self.config.block_size
+        saved = [(layer, name, getattr(layer, name)[:, :, first:].clone())
+                 for _, layer in self._descriptor_layers(state.cache) for name in self._DESCRIPTORS
+                 if getattr(layer, name) is not None]
+        return state.position, first, saved
+
+    @torch.inference_mode()
+    def restore(self, state: ResaState, checkpoint) -> None:
+        state.position, first, saved = checkpoint
+        for layer, name, blocks in saved:
+            getattr(layer, name)[:, :, first:] = blocks
+
+    @torch.inference_mode()
+    def export_state(self, state: ResaState) -> tuple[dict, dict]:
+        tensors, meta = super().export_state(state)
+        used = cdiv(state.n_tokens, self.config.block_size)
+        for i, layer in self._descriptor_layers(state.cache):
+            for name in self._DESCRIPTORS:
+                if getattr(layer, name) is not None:
+                    tensors[f"layers.{i}.{name}"] = getattr(layer, name)[:, :, :used]
+        return tensors, meta
+
+    @torch.inference_mode()
+    def import_state(self, tensors: dict, meta: dict, reserve: int) -> ResaState:
+        state = super().import_state(tensors, meta, reserve)
+        used = cdiv(state.n_tokens, self.config.block_size)
+        for i, layer in self._descriptor_layers(state.cache):
+            for name in self._DESCRIPTORS:
+                if getattr(layer, name) is not None:
+                    getattr(layer, name)[:, :, :used] = tensors[f"layers.{i}.{name}"]
+        return state
+
     def counters(self, state: ResaState) -> dict:
         covered, total = len(full_layers(self.model.config)), len(layer_types(self.model.config))
         out = {**super().counters(state),

@@ -36,6 +36,7 @@ class AskOptions:
     encoding_errors: str = "strict"
     layout: str = "auto"
     quiet: bool = False
+    state: str = "auto"  # saved document states: auto, off, read or write
     documents: list[Document] = field(default_factory=list)  # filled by check_ask
 
 
@@ -75,6 +76,9 @@ class Session:
         self.lm = None
         self.engine = None
         self.load_s = 0.0
+        from longctx_cli.states import DocumentStates
+
+        self.states = DocumentStates(opts.state, opts.model, opts.profile, self.run.state_cache_gib)
 
     def ensure_engine(self):
         if self.engine is None:
@@ -141,19 +145,21 @@ class _Output:
             raise StdoutClosed from None
 
 
-def _answer_one(session: Session, ids, layout, report: Report, out: _Output) -> None:
+def _prefill(session: Session, ids, reserve: int, report: Report):
+    """The document's state: read from the saved-state store when it holds one for exactly these inputs,
+    otherwise computed by prefill (and saved, for engines whose state can be reused)."""
     import torch
 
     from engines.base import EngineInputError
-    from engines.decoding import Sampler
-    from longctx_cli.prompt import AnswerText
-    from longctx_cli.report import memory_snapshot, reset_peaks
+    from longctx_cli.report import reset_peaks
 
-    opts, run = session.opts, session.run
+    opts = session.opts
     engine = session.ensure_engine()
     report.timings.load_s, session.load_s = session.load_s, 0.0  # the load shows in the first report only
     reset_peaks()
-    state = None
+    saved = session.states.find(engine, ids, reserve, report)
+    if saved is not None:
+        return saved
     report.prefill_total = ids.numel()
     with _progress(opts.quiet) as bar:
         task = bar.add_task(escape(report.path), total=ids.numel())
@@ -162,11 +168,9 @@ def _answer_one(session: Session, ids, layout, report: Report, out: _Output) -> 
             report.prefilled += n
             bar.advance(task, n)
 
-        start = time.perf_counter()
         try:
             with CLOCK.part("prefill"):
-                state = engine.prefill(ids, reserve=layout.question_ids.numel() + run.max_new_tokens,
-                                       progress=advance)
+                state = engine.prefill(ids, reserve=reserve, progress=advance)
         except EngineInputError as exc:
             raise ConfigError(f"{report.path}: {exc}") from None
     report.timings.prefill_s = state.prefill_s
@@ -174,8 +178,19 @@ def _answer_one(session: Session, ids, layout, report: Report, out: _Output) -> 
         dtype = str(session.lm.model.dtype).removeprefix("torch.")
         raise ConfigError(f"{report.path}: the model's activations overflowed in {dtype} "
                           "(non-finite logits after prefill); use --dtype bfloat16 or float32")
+    session.states.keep(engine, state, ids, reserve, report)
+    return state
+
+
+def _answer_one(session: Session, state, layout, report: Report, out: _Output) -> None:
+    from engines.decoding import Sampler
+    from longctx_cli.prompt import AnswerText
+    from longctx_cli.report import memory_snapshot
+
+    run, engine = session.run, session.engine
     text = AnswerText(session.tokenizer, layout.stop_strings, layout.stop_ids)
     sampler = Sampler(run.temperature, run.top_p, run.seed)
+    start = time.perf_counter() - report.timings.prefill_s
     stream = engine.answer(state, layout.question_ids, run.max_new_tokens, sampler)
     report.stopped = "length"
     try:
@@ -252,11 +267,23 @@ def run_ask(opts: AskOptions) -> int:
                 report.tokens_in = ids.numel() + layout.question_ids.numel()
                 # Refused before any weights are loaded.
                 _check_length(ids.numel(), layout.question_ids.numel(), profile.run, session.max_context, name)
+            reserve = max(layout.question_ids.numel() for layout in layouts) + profile.run.max_new_tokens
+            state = checkpoint = None
             for layout, report in zip(layouts, reports):
                 labels = [name] if len(groups) > 1 else []
                 labels += [report.question] if len(layouts) > 1 else []
                 out = _Output("".join(f"{x}: " for x in labels), not opts.json)
-                _answer_guarded(session, ids, layout, report, out)
+                if state is None:
+                    state = _guarded(session, report, lambda: _prefill(session, ids, reserve, report))
+                    checkpoint = session.engine.checkpoint(state) if session.engine.reusable else None
+                else:
+                    report.state = "kept from the first question (checkpoint and restore)"
+                    report.timings.load_s = 0.0
+                _guarded(session, report, lambda: _answer_one(session, state, layout, report, out))
+                if checkpoint is not None:
+                    session.engine.restore(state, checkpoint)
+                else:
+                    state = None  # this engine's answer changes its state: the next question reads again
                 _emit(report, opts)
         except (InputError, ContextTooLongError, ConfigError) as exc:
             failures.append(exc)
@@ -274,12 +301,12 @@ def run_ask(opts: AskOptions) -> int:
     return 0
 
 
-def _answer_guarded(session: Session, ids, layout, report: Report, out: _Output) -> None:
-    """One answer; on Ctrl-C, SIGTERM or a closed stdout the partial answer and report go out before it ends
-    the run."""
+def _guarded(session: Session, report: Report, step):
+    """Runs step(); on Ctrl-C, SIGTERM or a closed stdout the partial answer and report go out before it ends
+    the run; out of memory becomes the error that says what to change."""
     opts = session.opts
     try:
-        _answer_one(session, ids, layout, report, out)
+        return step()
     except (KeyboardInterrupt, StdoutClosed) as exc:
         report.stopped = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stdout closed"
         _emit(report, opts, stdout=not isinstance(exc, StdoutClosed))

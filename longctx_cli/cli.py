@@ -133,6 +133,8 @@ def ask(
     encoding_errors: Annotated[str, typer.Option(help="strict, replace or ignore for invalid UTF-8.")] = "strict",
     layout: Annotated[str, typer.Option(help="auto, chat (template) or plain (Question:/Answer:).")] = "auto",
     quiet: Annotated[bool, typer.Option("--quiet", help="No report, no progress bars.")] = False,
+    state: Annotated[str, typer.Option(
+        help="Saved document states: auto (reuse if saved, else compute and save), off, read or write.")] = "auto",
     gpus: GpusOpt = 1,
 ):
     """Answer each question about each document (or about all of them with --concat)."""
@@ -146,9 +148,11 @@ def ask(
         raise UsageError(f"--encoding-errors must be strict, replace or ignore, not {clip(encoding_errors)}")
     if layout not in ("auto", "chat", "plain"):
         raise UsageError(f"--layout must be auto, chat or plain, not {clip(layout)}")
+    if state not in ("auto", "off", "read", "write"):
+        raise UsageError(f"--state must be auto, off, read or write, not {clip(state)}")
     check_home()
     opts = AskOptions(paths, asked, None, model=model, glob=glob, concat=concat, json=json_out,
-                      encoding_errors=encoding_errors, layout=layout, quiet=quiet)
+                      encoding_errors=encoding_errors, layout=layout, quiet=quiet, state=state)
     with CLOCK.part("checks"):
         check_ask(opts)
         check_model_spec(model)

@@ -41,6 +41,8 @@ class RunSettings:
     compile_decode: bool = False
     # one GEMV for q, k and v, and one for gate and up, inside that graph (weights regrouped in place, no copy)
     fuse_projections: bool = True
+    # Saved document states ($LONGCTX_HOME/states) are kept within this size; the least recently used go first.
+    state_cache_gib: float = 20.0
 
     def __post_init__(self):
         hints = typing.get_type_hints(RunSettings)
@@ -54,6 +56,7 @@ class RunSettings:
         _require(self.temperature >= 0, "temperature", self.temperature, "a number >= 0")
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
         _require(0 <= self.seed < 2**63, "seed", self.seed, "an integer from 0 to 2**63 - 1")
+        _require(self.state_cache_gib >= 0, "state_cache_gib", self.state_cache_gib, "a number of GiB >= 0")
         _require(all(self.stop), "stop", self.stop, "a list of non-empty strings")
 
 

@@ -48,6 +48,7 @@ class Report:
     tokens_out: int = 0
     answer_ids: list[int] = field(default_factory=list)  # generated token ids (exact comparisons between runs)
     stopped: str = ""  # stop | length | interrupted | stdout closed | error
+    state: str = ""  # how the document's state came about: computed / saved / reused
     prefilled: int = 0  # document tokens through prefill so far (how far an interrupted prefill got)
     prefill_total: int = 0
     timings: Timings = field(default_factory=Timings)
@@ -105,6 +106,7 @@ def render(report: Report, console: Console | None = None) -> None:
         ("tokens in / out", f"{report.tokens_in:,} / {report.tokens_out:,}  (stopped: {report.stopped or '-'})"),
         ("model load", f"{t.load_s:.2f} s"),
         ("tokenize", f"{t.tokenize_s:.2f} s"),
+        ("document state", report.state or "-"),
         ("prefill", f"{t.prefill_s:.2f} s  ({report.tokens_in / t.prefill_s:,.0f} tok/s)" if t.prefill_s else
          f"interrupted after {report.prefilled:,} of {report.prefill_total:,} tokens" if report.prefill_total else "-"),
         ("first token", f"{t.first_token_s:.2f} s" if t.first_token_s else "-"),

@@ -197,3 +197,72 @@ class StateError(Exception):
 def settings_of(config) -> dict:
     """A dataclass's fields as plain JSON values (tuples as lists), for a state key."""
     return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+class DocumentStates:
+    """A run's use of the store: `--state` (auto: read if saved, else compute and save; off; read: never save;
+    write: always compute and save), the report's `state` line, and a warning line for a state found damaged."""
+
+    def __init__(self, mode: str, model_spec: str | None, profile, limit_gib: float):
+        self.mode, self.model_spec, self.profile = mode, model_spec, profile
+        self.store = StateStore(limit_bytes=int(limit_gib * 2**30))
+
+    def inputs(self, engine, ids, reserve: int) -> dict:
+        from longctx_cli.models import EMBEDDED, resolve_model_dir
+
+        spec = self.model_spec
+        random = spec[7:] if spec and spec.startswith("random:") else None
+        folder = None if random else resolve_model_dir(spec)
+        run = self.profile.run
+        return {"format": FORMAT, "model": spec or EMBEDDED, "model_files": model_fingerprint(folder, random),
+                "engine": engine.name, "engine_settings": settings_of(engine.config), "chunk_size": run.chunk_size,
+                "dtype": str(engine.model.dtype), "device": engine.device.type, "tokens": int(ids.numel()),
+                "document": document_digest(ids), **engine.state_inputs(int(ids.numel()), reserve)}
+
+    def find(self, engine, ids, reserve: int, report):
+        """The saved state for these inputs, imported with room for `reserve` tokens; None to compute it."""
+        from longctx_cli.clock import CLOCK
+        from longctx_cli.models import warn
+        from longctx_cli.report import gib
+
+        if self.mode in ("off", "write") or not engine.reusable:
+            return None
+        inputs = self.inputs(engine, ids, reserve)
+        key = state_key(inputs)
+        with CLOCK.part("state read"):
+            try:
+                found = self.store.load(key, inputs)
+            except StateError as exc:
+                warn(f"saved state {key[:12]} ({self.store.path(key)}): {exc}; reading the document again")
+                self.store.remove(key)
+                return None
+            if found is None:
+                return None
+            tensors, meta, read = found
+            state = engine.import_state(tensors, meta, reserve)
+        report.state = f"reused {key[:12]}, read {gib(read.bytes)} in {read.seconds:.2f} s"
+        return state
+
+    def keep(self, engine, state, ids, reserve: int, report) -> None:
+        """Save a state just computed, where the engine and `--state` allow; the report says what happened."""
+        from longctx_cli.clock import CLOCK
+        from longctx_cli.models import warn
+        from longctx_cli.report import gib
+
+        if not engine.reusable:
+            report.state = f"computed ({engine.name} keeps no saved state)"
+            return
+        if self.mode in ("off", "read"):
+            report.state = f"computed, not saved (--state {self.mode})"
+            return
+        inputs = self.inputs(engine, ids, reserve)
+        key = state_key(inputs)
+        with CLOCK.part("state write"):
+            tensors, meta = engine.export_state(state)
+            try:
+                saved = self.store.save(key, inputs, tensors, {**meta, "document": report.path})
+            except OSError as exc:
+                warn(f"cannot save the document's state in {self.store.root}: {exc.strerror or exc}")
+                report.state = "computed, not saved (see the warning)"
+                return
+        report.state = f"computed, saved {gib(saved.bytes)} in {saved.seconds:.2f} s as {key[:12]}"

@@ -1,0 +1,142 @@
+"""Read once, ask many: several questions from one state, and states saved to disk and read back.
+
+Every engine that says it can reuse its state (`reusable`) must give, token for token, the greedy answers of
+fresh prefills: question after question in one run (checkpoint and restore), and from a state exported and
+imported again. Engines that cannot yet are read again per question; the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines import ENGINES
+from engines.decoding import Sampler
+from tests.conftest import make_engine, run_cli
+
+pytestmark = pytest.mark.slow
+
+SAMPLE = Path(__file__).parent.parent / "samples" / "lighthouse.txt"
+QUESTIONS = ["What was the name of the schooner?", "Who kept the lighthouse?", "What did Ada carry?"]
+NEW = 8
+# Shipped profiles, with settings that make the document long enough for each engine to approximate.
+PROFILES = {"dense": {}, "resa": {"block_size": 16, "min_blocks": 2}}
+REUSABLE = sorted(name for name, cls in ENGINES.items() if cls.reusable)
+
+
+def _ids(lm, text: str):
+    return torch.tensor(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def document(lm):
+    story = SAMPLE.read_text(encoding="utf-8")
+    doc = torch.tensor([lm.tokenizer.bos_token_id, *_ids(lm, story).tolist()[:700]])
+    questions = [_ids(lm, f"\n\nQuestion: {q}\nAnswer:") for q in QUESTIONS]
+    return doc, questions
+
+
+def _fresh(engine, doc, question, reserve):
+    state = engine.prefill(doc, reserve=reserve)
+    return list(engine.answer(state, question, NEW, Sampler()))
+
+
+def test_reusable_engines_are_covered():
+    assert set(PROFILES) == set(REUSABLE)
+
+
+@pytest.mark.parametrize("name", REUSABLE)
+def test_questions_in_a_row_equal_fresh_runs(lm, document, name):
+    doc, questions = document
+    engine = make_engine(lm, name, chunk_size=256, **PROFILES[name])
+    reserve = max(q.numel() for q in questions) + NEW
+    want = [_fresh(engine, doc, q, reserve) for q in questions]
+    state = engine.prefill(doc, reserve=reserve)
+    checkpoint = engine.checkpoint(state)
+    got = []
+    for q in [*questions, questions[0]]:
+        got.append(list(engine.answer(state, q, NEW, Sampler())))
+        engine.restore(state, checkpoint)
+    assert got == [*want, want[0]]
+    assert len({tuple(t) for t in want}) > 1  # the questions really differ
+
+
+@pytest.mark.parametrize("name", REUSABLE)
+def test_exported_state_answers_as_a_fresh_prefill(lm, document, name):
+    doc, questions = document
+    engine = make_engine(lm, name, chunk_size=256, **PROFILES[name])
+    reserve = questions[0].numel() + NEW
+    state = engine.prefill(doc, reserve=reserve)
+    tensors, meta = engine.export_state(state)
+    want = list(engine.answer(state, questions[0], NEW, Sampler()))
+    copy = {k: v.clone() for k, v in tensors.items()}
+    json.dumps(meta)  # the scalars go into a JSON header
+    restored = engine.import_state(copy, meta, reserve + 5)  # other questions may need more room
+    assert restored.n_tokens == doc.numel() and restored.cache.capacity == doc.numel() + reserve + 5
+    assert list(engine.answer(restored, questions[0], NEW, Sampler())) == want
+
+
+@pytest.fixture
+def states_home(tmp_path, monkeypatch):
+    """Saved states in a fresh folder (the converted model stays where it is)."""
+    monkeypatch.setattr("longctx_cli.states.longctx_home", lambda: tmp_path)
+    return tmp_path / "states"
+
+
+def _run(capsys, monkeypatch, *args):
+    code, out, err = run_cli(["ask", str(SAMPLE), *args, "-n", str(NEW), "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    return [json.loads(line) for line in out.splitlines()], err
+
+
+@pytest.mark.parametrize("profile", ["dense", "resa", "sas-pattern"])
+def test_cli_three_questions_equal_three_runs_and_reuse_the_saved_state(capsys, monkeypatch, states_home,
+                                                                         profile):
+    asked = [arg for q in QUESTIONS for arg in ("-q", q)]
+    together, _ = _run(capsys, monkeypatch, *asked, "--profile", profile, "--state", "off")
+    alone = [_run(capsys, monkeypatch, "-q", q, "--profile", profile, "--state", "off")[0][0] for q in QUESTIONS]
+    assert [o["answer_ids"] for o in together] == [o["answer_ids"] for o in alone]
+    assert [o["question"] for o in together] == QUESTIONS
+    reusable = ENGINES[together[0]["engine"]].reusable
+    if reusable:
+        assert together[0]["state"].startswith("computed") and together[1]["state"].startswith("kept")
+        assert together[1]["timings"]["prefill_s"] == 0.0
+    else:
+        assert all("keeps no saved state" in o["state"] for o in together)
+    first, _ = _run(capsys, monkeypatch, "-q", QUESTIONS[1], "--profile", profile)
+    again, _ = _run(capsys, monkeypatch, "-q", QUESTIONS[1], "--profile", profile)
+    assert again[0]["answer_ids"] == first[0]["answer_ids"] == together[1]["answer_ids"]
+    if reusable:
+        assert first[0]["state"].startswith("computed, saved") and again[0]["state"].startswith("reused")
+        assert again[0]["timings"]["prefill_s"] == 0.0
+    else:
+        assert not states_home.exists() or not any(states_home.iterdir())
+
+
+@pytest.mark.parametrize("change", [["--chunk-size", "512"], ["--profile", "resa"], ["--dtype", "bfloat16"],
+                                    ["--set", "max_new_tokens=9"]],
+                         ids=["chunk-size", "engine", "dtype", "run-key-outside-the-state"])
+def test_a_state_is_reused_only_for_the_same_inputs(capsys, monkeypatch, states_home, change):
+    _run(capsys, monkeypatch, "-q", QUESTIONS[0])
+    other, _ = _run(capsys, monkeypatch, "-q", QUESTIONS[0], *change)
+    # max_new_tokens does not shape the document's state: that one is reused.
+    assert other[0]["state"].startswith("reused" if "max_new_tokens=9" in change else "computed")
+
+
+def test_a_damaged_state_is_reported_and_recomputed(capsys, monkeypatch, states_home):
+    first, _ = _run(capsys, monkeypatch, "-q", QUESTIONS[0])
+    [path] = states_home.glob("*.safetensors")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    again, err = _run(capsys, monkeypatch, "-q", QUESTIONS[0])
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "reading the document again" in warnings[0]
+    assert again[0]["state"].startswith("computed, saved") and again[0]["answer_ids"] == first[0]["answer_ids"]
+    truncated = path.read_bytes()[:1000]
+    path.write_bytes(truncated)
+    third, err = _run(capsys, monkeypatch, "-q", QUESTIONS[0])
+    assert "reading the document again" in err and third[0]["answer_ids"] == first[0]["answer_ids"]
