@@ -36,6 +36,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
+@pytest.fixture(autouse=True)
+def _own_saved_states(tmp_path_factory, monkeypatch):
+    """Saved document states go to a folder of the test's own: a state another run saved is never reused."""
+    folder = tmp_path_factory.mktemp("home")
+    monkeypatch.setattr("longctx_cli.states.longctx_home", lambda: folder)
+
+
 @pytest.fixture(scope="session")
 def lm():
     """The embedded Gemma 3 270M on CPU, fp32."""

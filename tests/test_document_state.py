@@ -80,10 +80,11 @@ def test_exported_state_answers_as_a_fresh_prefill(lm, document, name):
 
 
 @pytest.fixture
-def states_home(tmp_path, monkeypatch):
-    """Saved states in a fresh folder (the converted model stays where it is)."""
-    monkeypatch.setattr("longctx_cli.states.longctx_home", lambda: tmp_path)
-    return tmp_path / "states"
+def states_home():
+    """The test's own saved-state folder (conftest's `_own_saved_states`)."""
+    from longctx_cli.states import StateStore
+
+    return StateStore().root
 
 
 def _run(capsys, monkeypatch, *args):
