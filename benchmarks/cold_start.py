@@ -100,7 +100,8 @@ def main() -> None:
 
     model = args.model or str(resolve_model_dir(None))
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    longctx = str(Path(sys.executable).with_name("longctx"))
+    script = Path(sys.executable).with_name("longctx")
+    longctx = [str(script)] if script.exists() else [sys.executable, "-m", "longctx_cli"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         doc = _document(parse_count(args.tokens) if args.tokens else None, Path(tmp))
@@ -111,7 +112,7 @@ def main() -> None:
             hf = json.loads(out.strip().splitlines()[-1])
             rows.append({"side": "hf-script", "run": run, "process_wall_s": wall, **hf})
             print(rows[-1], flush=True)
-            wall, out = _timed([longctx, "ask", str(doc), "-q", QUESTION, "--model", model, "-n",
+            wall, out = _timed([*longctx, "ask", str(doc), "-q", QUESTION, "--model", model, "-n",
                                 str(args.new_tokens), "--device", args.device, "--dtype", dtype, "--set",
                                 "stop=[]", "--json"], env)
             report = json.loads(out.strip().splitlines()[-1])

@@ -231,7 +231,7 @@ class DocumentStates:
         key = state_key(inputs)
         with CLOCK.part("state read"):
             try:
-                found = self.store.load(key, inputs)
+                found = self.store.load(key, inputs, device=engine.device)
             except StateError as exc:
                 warn(f"saved state {key[:12]} ({self.store.path(key)}): {exc}; reading the document again")
                 self.store.remove(key)
