@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines import ENGINES  # noqa: E402
 from engines.decoding import Sampler  # noqa: E402
 from longctx_cli.accuracy import PromptBuilder, _ids  # noqa: E402
-from longctx_cli.models import load_model, longctx_home  # noqa: E402
+from longctx_cli.home import longctx_home  # noqa: E402
+from longctx_cli.models import load_model  # noqa: E402
 from longctx_cli.profiles import parse_override, resolve_profile  # noqa: E402
 from longctx_cli.report import run_stamp  # noqa: E402
 from longctx_cli.prompt import AnswerText  # noqa: E402

@@ -9,7 +9,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engines import ENGINES
-from longctx_cli.models import load_model, longctx_home
+from longctx_cli.home import longctx_home
+from longctx_cli.models import load_model
 from longctx_cli.plan import parse_count
 from longctx_cli.profiles import resolve_profile
 

@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines import ENGINES  # noqa: E402
-from longctx_cli.models import load_model, longctx_home  # noqa: E402
+from longctx_cli.home import longctx_home  # noqa: E402
+from longctx_cli.models import load_model  # noqa: E402
 from longctx_cli.profiles import resolve_profile  # noqa: E402
 from longctx_cli.report import environment  # noqa: E402
 

@@ -31,7 +31,8 @@ from engines.decoding import Sampler  # noqa: E402
 from kernels import cdiv  # noqa: E402
 from kernels.block_select import KeepRule  # noqa: E402
 from longctx_cli.accuracy import PromptBuilder, _ids  # noqa: E402
-from longctx_cli.models import load_model, longctx_home  # noqa: E402
+from longctx_cli.home import longctx_home  # noqa: E402
+from longctx_cli.models import load_model  # noqa: E402
 from longctx_cli.profiles import resolve_profile  # noqa: E402
 from longctx_cli.report import run_stamp  # noqa: E402
 from longctx_cli.prompt import AnswerText  # noqa: E402

@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from longctx_cli.models import load_model, longctx_home
+from longctx_cli.home import longctx_home
+from longctx_cli.models import load_model
 
 CUDA = torch.cuda.is_available()
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None

@@ -7,7 +7,7 @@ import torch
 
 from engines import ENGINES
 from engines.decoding import Sampler
-from longctx_cli.models import longctx_home
+from longctx_cli.home import longctx_home
 from longctx_cli.profiles import resolve_profile
 
 pytestmark = pytest.mark.slow
@@ -88,7 +88,8 @@ def test_converted_cache_reloads_without_converting_and_gives_identical_logits(l
     from transformers import AutoModelForCausalLM
 
     import longctx_cli.gguf_convert
-    from longctx_cli.models import _load_model, longctx_home
+    from longctx_cli.home import longctx_home
+    from longctx_cli.models import _load_model
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("the converted cache was not used")
