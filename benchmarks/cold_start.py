@@ -62,14 +62,15 @@ print(json.dumps({"tokens_in": ids.shape[1], "generate_s": calls, "answer": answ
 """
 
 
-def _document(tokens: int | None, tmp: Path) -> Path:
+def _document(tokens: int | None, model: str, tmp: Path) -> Path:
+    """The sample story, or the story repeated to about `tokens` tokens (random presets' byte tokenizer: one
+    token a byte; real tokenizers: about four characters a token)."""
     if not tokens:
         return ROOT / "samples" / "lighthouse.txt"
     story = (ROOT / "samples" / "lighthouse.txt").read_text(encoding="utf-8")
-    # ~4 characters a token in English prose: enough repeats, then cut on a paragraph.
-    text = (story + "\n\n") * (tokens * 4 // len(story) + 1)
+    chars = tokens if model.startswith("random:") else tokens * 4
     path = tmp / f"doc_{tokens}.txt"
-    path.write_text(text[: tokens * 4], encoding="utf-8")
+    path.write_text(((story + "\n\n") * (chars // len(story) + 1))[:chars], encoding="utf-8")
     return path
 
 
@@ -90,6 +91,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--state", default="off", help="longctx's --state: off (compute every run, as the script "
+                                                     "does) or auto (the second run reads the first one's state)")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -104,7 +107,7 @@ def main() -> None:
     longctx = [str(script)] if script.exists() else [sys.executable, "-m", "longctx_cli"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        doc = _document(parse_count(args.tokens) if args.tokens else None, Path(tmp))
+        doc = _document(parse_count(args.tokens) if args.tokens else None, model, Path(tmp))
         env = dict(os.environ)
         for run in range(1, args.runs + 1):
             wall, out = _timed([sys.executable, "-c", HF_SCRIPT, model, str(doc), QUESTION, str(args.new_tokens),
@@ -114,7 +117,7 @@ def main() -> None:
             print(rows[-1], flush=True)
             wall, out = _timed([*longctx, "ask", str(doc), "-q", QUESTION, "--model", model, "-n",
                                 str(args.new_tokens), "--device", args.device, "--dtype", dtype, "--set",
-                                "stop=[]", "--json"], env)
+                                "stop=[]", "--state", args.state, "--json"], env)
             report = json.loads(out.strip().splitlines()[-1])
             parts = report["timings"]["wall"]
             rows.append({"side": "longctx", "run": run, "process_wall_s": wall, "report_total_s": parts["total_s"],
@@ -123,6 +126,7 @@ def main() -> None:
                          "prefill_s": report["timings"]["prefill_s"]})
             print(rows[-1], flush=True)
     result = {**run_stamp(), "model": model, "device": args.device, "dtype": dtype, "new_tokens": args.new_tokens,
+              "state": args.state,
               "document_tokens": rows[0]["tokens_in"], "rows": rows,
               "note": "random weights: speed only" if model.startswith("random:") else None}
     if args.out:
