@@ -141,3 +141,38 @@ def test_a_damaged_state_is_reported_and_recomputed(capsys, monkeypatch, states_
     path.write_bytes(truncated)
     third, err = _run(capsys, monkeypatch, "-q", QUESTIONS[0])
     assert "reading the document again" in err and third[0]["answer_ids"] == first[0]["answer_ids"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", REUSABLE)
+def test_gpu_questions_in_a_row_and_saved_state_equal_fresh_runs(name, tmp_path):
+    """The GPU path (captured decode graphs, resa's rectification graph) answers question after question from
+    one state, and from a state saved and read back, as fresh prefills do."""
+    from longctx_cli.models import load_model
+    from longctx_cli.states import StateStore
+
+    lm = load_model("random:llama-3.1-8b", device="cuda", dtype="bfloat16")
+    engine = make_engine(lm, name, chunk_size=1024, rectify_every=4) if name == "resa" else \
+        make_engine(lm, name, chunk_size=1024)
+    g = torch.Generator().manual_seed(0)
+    doc = torch.randint(3, 250, (3000,), generator=g)
+    questions = [torch.randint(3, 250, (n,), generator=g) for n in (9, 14, 5)]
+    reserve = 14 + 12
+    want = []
+    for q in questions:
+        state = engine.prefill(doc, reserve=reserve)
+        want.append(list(engine.answer(state, q, 12, Sampler())))
+    state = engine.prefill(doc, reserve=reserve)
+    checkpoint = engine.checkpoint(state)
+    got = []
+    for q in questions:
+        got.append(list(engine.answer(state, q, 12, Sampler())))
+        engine.restore(state, checkpoint)
+    assert got == want
+    assert engine.counters(state)["decode_cuda_graph"] is True
+    tensors, meta = engine.export_state(state)
+    store = StateStore(tmp_path)
+    store.save("k" * 32, {"x": 1}, tensors, meta)
+    loaded, meta, _ = store.load("k" * 32, {"x": 1}, device="cuda")
+    restored = engine.import_state(loaded, meta, reserve)
+    assert list(engine.answer(restored, questions[1], 12, Sampler())) == want[1]
