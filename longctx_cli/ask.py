@@ -68,7 +68,7 @@ class Session:
             quiet_libraries()
         self.say = (lambda msg: None) if opts.quiet else (lambda msg: err.print(f"[dim]{escape(msg)}...[/]"))
         with CLOCK.part("config"):
-            config = load_config(opts.model, progress=self.say)
+            self.config = config = load_config(opts.model, progress=self.say)
         check_dtype(config, self.run.dtype, self.run.device)
         with CLOCK.part("tokenizer"):
             self.tokenizer = load_tokenizer(opts.model, progress=self.say)
@@ -123,6 +123,19 @@ def _check_length(n_doc: int, n_question: int, run, max_context: int, name: str)
         f"{name}: prompt of {n_doc + n_question:,} tokens + {run.max_new_tokens} new tokens is longer than the "
         f"model's maximum context of {max_context:,} tokens; shorten or split the document (no engine reads past "
         "the model's trained context yet)")
+
+
+def _check_engine(session: Session, n_doc: int, reserve: int, name: str) -> None:
+    """What the engine refuses for this model and document, found from the model's config before the weights
+    load (e.g. a pattern that selects no key, a layer that does not retrieve)."""
+    from engines import ENGINES
+    from engines.base import EngineInputError
+
+    profile = session.opts.profile
+    try:
+        ENGINES[profile.engine].check(session.config, profile.engine_config, profile.run, n_doc, reserve)
+    except EngineInputError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
 
 
 class _Output:
@@ -268,6 +281,7 @@ def run_ask(opts: AskOptions) -> int:
                 # Refused before any weights are loaded.
                 _check_length(ids.numel(), layout.question_ids.numel(), profile.run, session.max_context, name)
             reserve = max(layout.question_ids.numel() for layout in layouts) + profile.run.max_new_tokens
+            _check_engine(session, ids.numel(), reserve, name)
             state = checkpoint = None
             for layout, report in zip(layouts, reports):
                 labels = [name] if len(groups) > 1 else []

@@ -142,6 +142,7 @@ def ask(
     from longctx_cli.ask import AskOptions, check_ask, run_ask
     from longctx_cli.home import check_home
     from longctx_cli.models import check_model_spec
+    from longctx_cli.profiles import read_profile
 
     paths, asked = _questions(list(paths or []), questions, questions_file)
     if encoding_errors not in ("strict", "replace", "ignore"):
@@ -156,6 +157,7 @@ def ask(
     with CLOCK.part("checks"):
         check_ask(opts)
         check_model_spec(model)
+        read_profile(profile)  # no such profile, malformed YAML: refused before the engines are imported
         with CLOCK.part("imports"):
             import engines  # noqa: F401 - torch and transformers come with it: seconds, counted as such
         opts.profile = _profile(profile, sets, max_new_tokens=max_new_tokens, chunk_size=chunk_size,

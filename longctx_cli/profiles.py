@@ -186,11 +186,17 @@ def _choose(key: str, value, hint):
         return check_type(key, value.parsed, hint)
 
 
+def read_profile(name_or_path: str) -> tuple[str, str, dict]:
+    """(name, source, settings) of a builtin profile or a .yaml file, unvalidated: what can be refused (no such
+    profile, malformed YAML) without importing the engines."""
+    path, name, source = _locate(name_or_path)
+    return name, source, _load_yaml(path)
+
+
 def resolve_profile(name_or_path: str, overrides: dict[str, object] | None = None, registry=None) -> Profile:
     """Load a builtin profile (by name) or a .yaml file, apply `overrides` (None values ignored), validate."""
-    path, name, source = _locate(name_or_path)
-    where = f"profile {name}" if source == "builtin" else str(path)
-    settings = _load_yaml(path)
+    name, source, settings = read_profile(name_or_path)
+    where = f"profile {name}" if source == "builtin" else name_or_path
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if registry is None:
         from engines import ENGINES as registry

@@ -460,3 +460,44 @@ def test_atomic_file_is_whole_or_absent(tmp_path_factory, fail, payload):
         pass
     assert target.read_bytes() == (b"old" if fail else payload)
     assert [p.name for p in target.parent.iterdir()] == ["state.bin"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options, phrase", [
+    (["--profile", "sas-pattern", "--set", "pattern=~Diag()"], "gives no query any key"),
+    (["--profile", "ltri-stream", "--set", "compensate_layers=[4]"], "bad value for compensate_layers"),
+], ids=["pattern-selects-nothing", "layer-that-does-not-retrieve"])
+def test_engine_refusals_come_before_the_weights(capsys, monkeypatch, tmp_path, options, phrase):
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded for a setting the engine refuses")
+
+    monkeypatch.setattr("longctx_cli.models._load_model", no_weights)
+    code, out, err = run_cli(["ask", str(SAMPLE), "Who?", *options], capsys, monkeypatch)
+    assert code == 4 and out == "" and phrase in err
+
+
+_LIGHT = """
+import sys
+from longctx_cli.cli import main
+sys.argv = ["longctx", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as exc:
+    heavy = sorted(m for m in ("torch", "transformers", "engines") if m in sys.modules)
+    print(exc.code, heavy)
+"""
+
+
+@pytest.mark.parametrize("args", [["ask", "q"], ["ask", str(SAMPLE), "q", "--profile", "nope"],
+                                  ["ask", str(SAMPLE), "q", "--model", "/nonexistent"],
+                                  ["ask", "/nonexistent.txt", "q"], ["ask", str(SAMPLE), ""]],
+                         ids=["usage", "profile", "model", "document", "question"])
+def test_refusals_import_nothing_heavy(args, tmp_path):
+    """Refused before torch, transformers or the engines are imported (seconds on a small machine)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _LIGHT, *args], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1], env={**os.environ, "LONGCTX_HOME": str(tmp_path)})
+    code, heavy = done.stdout.split(" ", 1)
+    assert int(code) in REFUSALS and heavy.strip() == "[]", done.stdout + done.stderr

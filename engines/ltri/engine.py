@@ -167,11 +167,9 @@ class LtriEngine(Engine):
 
     def __init__(self, lm, config, run, *, home: Path | None = None):
         full = full_layers(lm.model.config)
+        self.check(lm.model.config, config, run)
         config = config.for_layers(full)
         super().__init__(lm, config, run, home=home)
-        if config.compensate_layers is not None and not set(config.compensate_layers) <= set(full):
-            raise EngineInputError(f"bad value for compensate_layers: {list(config.compensate_layers)}; expected "
-                                   f"retrieving (full-attention) layers of the model: {full}")
         heads = {}
         if config.retrieval_heads == "auto" and not lm.random_weights:
             heads = cached_heads(self.model, lm.tokenizer, lm.name, full, self.home)
@@ -205,10 +203,19 @@ class LtriEngine(Engine):
         specs = layer_specs(self.model.config, self.config, _room(self.run.chunk_size, reserve))
         return LtriCache(self.model.config, capacity, specs, self.indexer)
 
+    @classmethod
+    def check(cls, model_config, engine_config, run, n_tokens: int | None = None, reserve: int = 0) -> None:
+        full = full_layers(model_config)
+        layers = engine_config.for_layers(full).compensate_layers
+        if layers is not None and not set(layers) <= set(full):
+            raise EngineInputError(f"bad value for compensate_layers: {list(layers)}; expected retrieving "
+                                   f"(full-attention) layers of the model: {full}")
+        if run.chunk_size % engine_config.block_size:
+            raise EngineInputError(f"chunk_size {run.chunk_size} is not a multiple of block_size "
+                                   f"{engine_config.block_size}")
+
     def prefill(self, ids, *, reserve, progress=None) -> DocumentState:
-        if self.run.chunk_size % self.config.block_size:
-            raise EngineInputError(f"chunk_size {self.run.chunk_size} is not a multiple of block_size "
-                                   f"{self.config.block_size}")
+        self.check(self.model.config, self.config, self.run)
         self._check_host_memory(ids.numel() + reserve)
         state = super().prefill(ids, reserve=reserve, progress=progress)
         self.indexer.flush(state.cache)  # the last chunk's blocks, so that the counters are complete

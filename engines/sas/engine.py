@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engines.base import DocumentState, Engine
+from engines.base import DocumentState, Engine, EngineInputError
 from engines.cache import kv_token_bytes, layer_types
 from engines.explicit import score_slices
 from engines.sas.analyzer import CachePlan, describe_index, plan_cache, split
@@ -237,8 +237,19 @@ class SasEngine(Engine):
     def layer_patterns(self) -> list:
         return _layer_patterns(self.model.config, self.config)
 
+    @classmethod
+    def check(cls, model_config, engine_config, run, n_tokens: int | None = None, reserve: int = 0) -> None:
+        """A pattern that gives no query any key would answer from zero attention outputs: refused."""
+        if n_tokens is None:
+            return
+        plan = plan_cache(engine_config.pattern, n_tokens + reserve)
+        if plan.slots == 0:
+            raise EngineInputError(f"pattern {engine_config.pattern!r} gives no query any key in a document of "
+                                   f"{n_tokens:,} tokens (every attention output would be zero); widen it")
+
     def make_cache(self, capacity: int, reserve: int) -> SasCache:
         start = time.perf_counter()
+        self.check(self.model.config, self.config, self.run, capacity - reserve, reserve)
         plans = [plan_cache(p, capacity) for p in self.layer_patterns()]
         cache = SasCache(self.model.config, plans, capacity, _staging_rows(self.run.chunk_size, capacity))
         cache.analysis_s = time.perf_counter() - start
