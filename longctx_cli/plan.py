@@ -118,8 +118,9 @@ def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None
         err.print(line)
     verdict = 0
     if est["max_context"] and est["capacity"] > est["max_context"]:
-        err.print(f"[red]too long:[/] {est['capacity']:,} tokens exceed the model's {est['max_context']:,}; "
-                  "shorten the document or use an engine that streams past the model's context")
+        err.print(f"[red]too long:[/] {est['capacity']:,} tokens (document, question and answer) exceed the "
+                  f"model's {est['max_context']:,}; shorten or split the document, or lower --max-new-tokens (no "
+                  "engine reads past the model's trained context yet)")
         verdict = 6
     if not est["fits"]:
         most = max_tokens(profile, config)
