@@ -9,6 +9,7 @@ from rich.table import Table
 
 from engines import ENGINES
 from engines.cache import head_dim
+from longctx_cli.errors import ConfigError
 from longctx_cli.inputs import collect_documents, iter_text, tokenize_stream
 from longctx_cli.models import load_config, load_tokenizer, max_context, pick_device, pick_dtype
 from longctx_cli.report import gib
@@ -25,8 +26,6 @@ def parse_count(text: str) -> int:
     try:
         return int(float(text[:-1] if scale > 1 else text) * scale)
     except ValueError:
-        from longctx_cli.errors import ConfigError
-
         raise ConfigError(f"not a token count: {text!r} (use e.g. 4096, 32k, 1m)") from None
 
 
@@ -99,10 +98,11 @@ def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None
         docs = collect_documents(paths)
         n_tokens = max(tokenize_stream(iter_text(d), tokenizer).numel() for d in docs) + QUESTION_TOKENS
     else:
-        from longctx_cli.errors import ConfigError
-
         raise ConfigError("plan needs documents or --tokens N")
-    est = estimate(profile, config, n_tokens)
+    try:
+        est = estimate(profile, config, n_tokens)
+    except ValueError as exc:  # e.g. a sas pattern too irregular to analyse at this length
+        raise ConfigError(f"profile {profile.name}: {exc}") from None
     table = Table(title=f"plan: {profile.name} ({profile.engine}) on {model or 'gemma3-270m'}", title_justify="left")
     for col in ("device", "weights", "KV cache", "activations", "needed", "free", "fits"):
         table.add_column(col)
@@ -114,7 +114,11 @@ def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None
     err.print(table)
     err.print(f"document: {n_tokens:,} tokens, KV capacity {est['capacity']:,} tokens, "
               f"model context {est['max_context']:,}")
-    for line in ENGINES[profile.engine].plan_notes(config, est["capacity"], profile.engine_config):
+    try:
+        notes = ENGINES[profile.engine].plan_notes(config, est["capacity"], profile.engine_config)
+    except ValueError as exc:  # e.g. a sas pattern too irregular to analyse at this length
+        raise ConfigError(f"profile {profile.name}: {exc}") from None
+    for line in notes:
         err.print(line)
     verdict = 0
     if est["max_context"] and est["capacity"] > est["max_context"]:

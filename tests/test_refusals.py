@@ -501,3 +501,57 @@ def test_refusals_import_nothing_heavy(args, tmp_path):
                           cwd=Path(__file__).parents[1], env={**os.environ, "LONGCTX_HOME": str(tmp_path)})
     code, heavy = done.stdout.split(" ", 1)
     assert int(code) in REFUSALS and heavy.strip() == "[]", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "layers-missing", "interrupted-write"])
+def test_retrieval_head_cache_is_recomputed_when_damaged(tmp_path, monkeypatch, capsys, damage):
+    """ltri's retrieval heads are cached per model; a damaged cache is reported once and computed again, and an
+    interrupted write leaves no file behind."""
+    from types import SimpleNamespace
+
+    from engines.ltri import heads
+
+    computed = []
+
+    def score(model, tokenizer, layers):
+        computed.append(1)
+        return {layer: [0.1, 0.9] for layer in layers}
+
+    monkeypatch.setattr(heads, "score_heads", score)
+    monkeypatch.setattr(heads, "_COMPUTED", {})
+    model = SimpleNamespace(config=SimpleNamespace(to_json_string=lambda: "{}"))
+    if damage == "interrupted-write":
+        def broken(path, text):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            (path.parent / f".{path.name}.x.partial").write_text(text[:10])
+            raise KeyboardInterrupt
+
+        real = heads._write_atomic
+        monkeypatch.setattr(heads, "_write_atomic", broken)
+        with pytest.raises(KeyboardInterrupt):
+            heads.cached_heads(model, None, "m", [5, 11], tmp_path)
+        assert not list((tmp_path / "retrieval_heads").glob("*.json"))
+        monkeypatch.setattr(heads, "_write_atomic", real)
+        monkeypatch.setattr(heads, "_COMPUTED", {})
+    else:
+        heads.cached_heads(model, None, "m", [5, 11], tmp_path)
+        [path] = (tmp_path / "retrieval_heads").glob("*.json")
+        text = path.read_text()
+        path.write_text({"garbage": "{not json", "truncated": text[: len(text) // 2],
+                         "layers-missing": '{"scores": {"5": [0.1, 0.9]}}'}[damage])
+        monkeypatch.setattr(heads, "_COMPUTED", {})
+    computed.clear()
+    got = heads.cached_heads(model, None, "m", [5, 11], tmp_path)
+    assert computed == [1] and set(got) == {5, 11}
+    [path] = (tmp_path / "retrieval_heads").glob("*.json")
+    assert json.loads(path.read_text())["scores"]["11"] == [0.1, 0.9]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == (0 if damage == "interrupted-write" else 1)
+
+
+@pytest.mark.slow
+def test_pattern_too_irregular_to_analyse_is_a_configuration_error(capsys, monkeypatch):
+    pattern = "pattern=Rect(queries=0:1000000, keys=0:1000000, stride=99991)"
+    code, out, err = run_cli(["plan", "--profile", "sas-pattern", "--set", pattern, "--tokens", "64k"], capsys,
+                             monkeypatch)
+    assert code == 4 and "too irregular" in err and "internal error" not in err

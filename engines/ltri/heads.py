@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -88,15 +91,37 @@ def cached_heads(model, tokenizer, model_name: str, layers: list[int],
     for this process only)."""
     key = hashlib.sha256(f"{model_name}|{model.config.to_json_string()}".encode()).hexdigest()[:16]
     path = None if home is None else home / "retrieval_heads" / f"{key}.json"
-    if key in _COMPUTED:
-        scores = _COMPUTED[key]
-    elif path is not None and path.exists():
-        scores = {int(k): v for k, v in json.loads(path.read_text())["scores"].items()}
-    else:
+    scores = _COMPUTED.get(key) or (_read_scores(path, layers) if path is not None and path.exists() else None)
+    if scores is None:
         scores = score_heads(model, tokenizer, layers)
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"model": model_name, "method": "Wu et al. 2024, teacher-forced copy",
-                                        "scores": scores}, indent=1))
+            _write_atomic(path, json.dumps({"model": model_name, "method": "Wu et al. 2024, teacher-forced copy",
+                                            "scores": scores}, indent=1))
     _COMPUTED[key] = scores
     return best_heads({layer: s for layer, s in scores.items() if layer in layers})
+
+
+def _read_scores(path: Path, layers: list[int]) -> dict[int, list[float]] | None:
+    """The cached scores, or None (after one warning line) when the file is damaged: they are computed again."""
+    try:
+        scores = {int(k): [float(x) for x in v] for k, v in json.loads(path.read_text())["scores"].items()}
+        if set(layers) <= set(scores):
+            return scores
+        problem = "layers missing"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        problem = type(exc).__name__
+    print(f"warning: {path}: damaged retrieval-head cache ({problem}); identifying the heads again", file=sys.stderr)
+    return None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Written to a temporary name and renamed: a crash leaves the old file or none, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".partial",
+                                     delete=False) as tmp:
+        try:
+            tmp.write(text)
+        except BaseException:
+            os.unlink(tmp.name)
+            raise
+    os.replace(tmp.name, path)

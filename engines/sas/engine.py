@@ -242,7 +242,10 @@ class SasEngine(Engine):
         """A pattern that gives no query any key would answer from zero attention outputs: refused."""
         if n_tokens is None:
             return
-        plan = plan_cache(engine_config.pattern, n_tokens + reserve)
+        try:
+            plan = plan_cache(engine_config.pattern, n_tokens + reserve)
+        except ValueError as exc:  # a pattern too irregular to analyse at this length
+            raise EngineInputError(str(exc)) from None
         if plan.slots == 0:
             raise EngineInputError(f"pattern {engine_config.pattern!r} gives no query any key in a document of "
                                    f"{n_tokens:,} tokens (every attention output would be zero); widen it")
