@@ -98,7 +98,7 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from longctx_cli.models import resolve_model_dir
-    from longctx_cli.plan import parse_count
+    from longctx_cli.units import parse_count
     from longctx_cli.report import run_stamp
 
     model = args.model or str(resolve_model_dir(None))

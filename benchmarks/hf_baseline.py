@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from longctx_cli.models import load_model
-from longctx_cli.plan import parse_count
+from longctx_cli.units import parse_count
 from longctx_cli.report import environment
 
 

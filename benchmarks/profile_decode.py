@@ -22,7 +22,7 @@ from engines import ENGINES
 from engines.decoding import Sampler, swapped
 from longctx_cli.home import longctx_home
 from longctx_cli.models import load_model
-from longctx_cli.plan import parse_count
+from longctx_cli.units import parse_count
 from longctx_cli.profiles import resolve_profile
 
 

@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from engines import ENGINES
 from longctx_cli.home import longctx_home
 from longctx_cli.models import load_model
-from longctx_cli.plan import parse_count
+from longctx_cli.units import parse_count
 from longctx_cli.profiles import resolve_profile
 
 

@@ -57,7 +57,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from longctx_cli.home import longctx_home
-    from longctx_cli.plan import parse_count
+    from longctx_cli.units import parse_count
     from longctx_cli.report import run_stamp
 
     rows = []

@@ -28,7 +28,7 @@ from longctx_cli import distributed
 from longctx_cli.errors import ConfigError, is_out_of_memory
 from longctx_cli.home import longctx_home
 from longctx_cli.models import load_model
-from longctx_cli.plan import parse_count
+from longctx_cli.units import parse_count
 from longctx_cli.report import RANDOM_NOTE, memory_snapshot, reset_peaks, run_stamp
 
 err = Console(stderr=True)

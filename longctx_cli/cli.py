@@ -258,7 +258,7 @@ def bench(
         depth_list = [float(d) for d in depths.split(",")] if depths else None
     except ValueError:
         raise ConfigError(f"--depths takes numbers between 0 and 1, comma-separated, not {depths!r}") from None
-    from longctx_cli.plan import parse_count
+    from longctx_cli.units import parse_count
 
     warmup_tokens = None if warmup == "same" else parse_count(warmup)
     if warmup_tokens is not None and warmup_tokens < 0:

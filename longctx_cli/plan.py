@@ -13,20 +13,11 @@ from longctx_cli.errors import ConfigError
 from longctx_cli.inputs import collect_documents, iter_text, tokenize_stream
 from longctx_cli.models import load_config, load_tokenizer, max_context, pick_device, pick_dtype
 from longctx_cli.report import gib
+from longctx_cli.units import parse_count
 
 err = Console(stderr=True)
 MARGIN = 0.9  # leave 10% of free memory for the allocator's fragmentation and the CUDA context
 QUESTION_TOKENS = 64  # room planned for a question not yet asked
-
-
-def parse_count(text: str) -> int:
-    """'128k' -> 131072, '1m' -> 1048576, '5000' -> 5000."""
-    text = text.strip().lower()
-    scale = {"k": 1024, "m": 1024**2}.get(text[-1:], 1)
-    try:
-        return int(float(text[:-1] if scale > 1 else text) * scale)
-    except ValueError:
-        raise ConfigError(f"not a token count: {text!r} (use e.g. 4096, 32k, 1m)") from None
 
 
 _PARAMETERS: dict[str, int] = {}
