@@ -102,7 +102,7 @@ class Session:
         return self.engine
 
 
-def _document_ids(session: Session, docs: list[Document], layout):
+def document_ids(session: Session, docs: list[Document], layout):
     import torch
 
     pieces = itertools.chain.from_iterable(
@@ -112,7 +112,7 @@ def _document_ids(session: Session, docs: list[Document], layout):
     return torch.cat([layout.prefix_ids.to(ids.dtype), ids])
 
 
-def _check_length(n_doc: int, n_question: int, run, max_context: int, name: str) -> None:
+def check_length(n_doc: int, n_question: int, run, max_context: int, name: str) -> None:
     if not max_context or n_doc + n_question + run.max_new_tokens <= max_context:
         return
     if n_question + run.max_new_tokens >= max_context:
@@ -125,7 +125,7 @@ def _check_length(n_doc: int, n_question: int, run, max_context: int, name: str)
         "the model's trained context yet)")
 
 
-def _check_engine(session: Session, n_doc: int, reserve: int, name: str) -> None:
+def check_engine(session: Session, n_doc: int, reserve: int, name: str) -> None:
     """What the engine refuses for this model and document, found from the model's config before the weights
     load (e.g. a pattern that selects no key, a layer that does not retrieve)."""
     from engines import ENGINES
@@ -138,7 +138,7 @@ def _check_engine(session: Session, n_doc: int, reserve: int, name: str) -> None
         raise ConfigError(f"{name}: {exc}") from None
 
 
-class _Output:
+class AnswerOutput:
     """stdout for answers: the label goes out with the first piece (a failed document prints nothing), and a
     closed pipe becomes StdoutClosed."""
 
@@ -158,7 +158,7 @@ class _Output:
             raise StdoutClosed from None
 
 
-def _prefill(session: Session, ids, reserve: int, report: Report):
+def read_document(session: Session, ids, reserve: int, report: Report):
     """The document's state: read from the saved-state store when it holds one for exactly these inputs,
     otherwise computed by prefill (and saved, for engines whose state can be reused)."""
     import torch
@@ -195,7 +195,7 @@ def _prefill(session: Session, ids, reserve: int, report: Report):
     return state
 
 
-def _answer_one(session: Session, state, layout, report: Report, out: _Output) -> None:
+def answer_question(session: Session, state, layout, report: Report, out: AnswerOutput) -> None:
     from engines.decoding import Sampler
     from longctx_cli.prompt import AnswerText
     from longctx_cli.report import memory_snapshot
@@ -275,25 +275,25 @@ def run_ask(opts: AskOptions) -> int:
             if members[0].error is not None:
                 raise members[0].error
             with CLOCK.part("tokenize"):
-                ids = _document_ids(session, members, layouts[0])
+                ids = document_ids(session, members, layouts[0])
             for layout, report in zip(layouts, reports):
                 report.tokens_in = ids.numel() + layout.question_ids.numel()
                 # Refused before any weights are loaded.
-                _check_length(ids.numel(), layout.question_ids.numel(), profile.run, session.max_context, name)
+                check_length(ids.numel(), layout.question_ids.numel(), profile.run, session.max_context, name)
             reserve = max(layout.question_ids.numel() for layout in layouts) + profile.run.max_new_tokens
-            _check_engine(session, ids.numel(), reserve, name)
+            check_engine(session, ids.numel(), reserve, name)
             state = checkpoint = None
             for layout, report in zip(layouts, reports):
                 labels = [name] if len(groups) > 1 else []
                 labels += [report.question] if len(layouts) > 1 else []
-                out = _Output("".join(f"{x}: " for x in labels), not opts.json)
+                out = AnswerOutput("".join(f"{x}: " for x in labels), not opts.json)
                 if state is None:
-                    state = _guarded(session, report, lambda: _prefill(session, ids, reserve, report))
+                    state = _guarded(session, report, lambda: read_document(session, ids, reserve, report))
                     checkpoint = session.engine.checkpoint(state) if session.engine.reusable else None
                 else:
                     report.state = "kept from the first question (checkpoint and restore)"
                     report.timings.load_s = 0.0
-                _guarded(session, report, lambda: _answer_one(session, state, layout, report, out))
+                _guarded(session, report, lambda: answer_question(session, state, layout, report, out))
                 if checkpoint is not None:
                     session.engine.restore(state, checkpoint)
                 else:
