@@ -1,9 +1,19 @@
-"""Engine registry: profile `engine:` name -> Engine class. Engines never import each other."""
+"""Engine registry: profile `engine:` name -> Engine class. Engines never import each other.
 
-from engines.dense import DenseEngine
-from engines.ltri import LtriEngine
-from engines.resa import ResaEngine
-from engines.sas import SasEngine
-from engines.star import StarEngine
+`ENGINES` loads the engine modules (torch, transformers) on first use; `engines.config.CONFIGS` holds their
+configurations alone, for reading profiles without them.
+"""
 
-ENGINES = {cls.name: cls for cls in (DenseEngine, LtriEngine, ResaEngine, SasEngine, StarEngine)}
+import importlib
+
+_CLASSES = {"dense": ("engines.dense", "DenseEngine"), "ltri-stream": ("engines.ltri.engine", "LtriEngine"),
+            "resa": ("engines.resa", "ResaEngine"), "sas-pattern": ("engines.sas.engine", "SasEngine"),
+            "star": ("engines.star", "StarEngine")}
+
+
+def __getattr__(name: str):
+    if name == "ENGINES":
+        engines = {key: getattr(importlib.import_module(module), cls) for key, (module, cls) in _CLASSES.items()}
+        globals()["ENGINES"] = engines
+        return engines
+    raise AttributeError(f"module 'engines' has no attribute {name!r}")

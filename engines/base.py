@@ -39,6 +39,7 @@ import torch
 from transformers.modeling_utils import AttentionInterface
 
 from engines.cache import StaticKVCache, head_dim, kv_token_bytes, layer_types
+from engines.config import require  # noqa: F401 - engines validate their configs with it
 from engines.decode_blocks import DecodeBlocks
 from engines.decoding import DecodeStep, Sampler
 from kernels.chunk_attention import chunk_attention
@@ -69,12 +70,6 @@ def exact_attention(query, key, value, scaling, sliding_window, cache):
                                window=sliding_window)
         return out.unsqueeze(1)
     return chunk_attention(query, key, value, cache.offset, scale=scaling, window=sliding_window).transpose(1, 2)
-
-
-def require(ok: bool, name: str, value, expected: str) -> None:
-    """How engine configs validate a field in `__post_init__`: a ValueError that names it."""
-    if not ok:
-        raise ValueError(f"bad value for {name}: {value!r}; expected {expected}")
 
 
 class EngineInputError(ValueError):

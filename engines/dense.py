@@ -7,16 +7,11 @@ length as a device tensor on GPU (static shapes, reads only the valid prefix), t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from engines.base import Engine, exact_attention
+from engines.config import DenseConfig
 from kernels.chunk_attention import chunk_attention_backend
 from kernels.decode_attention import decode_backend
-
-
-@dataclass
-class DenseConfig:
-    """The dense engine has no parameters of its own."""
 
 
 class DenseEngine(Engine):

@@ -18,61 +18,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engines.base import DocumentState, Engine, require
+from engines.base import DocumentState, Engine
+from engines.config import ResaConfig
 from engines.cache import StaticKVCache, StaticKVLayer, full_layers, kv_token_bytes, layer_types
 from engines.decoding import StaticForward
 from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors
-from kernels.block_select import POOLINGS, KeepRule, select_blocks
+from kernels.block_select import select_blocks
 from kernels.chunk_attention import chunk_attention, chunk_attention_backend
 from kernels.decode_attention import decode_attention, decode_backend
 from kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_backend
-
-
-@dataclass
-class ResaConfig:
-    """The paper's defaults: blocks of 16 keys, keep 10% of them (at least 16), the newest block always,
-    and a dense rectification every 32 generated tokens (0 = never, the paper's plain sparse decoding).
-
-    sink_blocks (not in the paper, 0 there): always keep the first blocks too. Attention sinks (the first
-    tokens) held 15-83% of the attention mass in Gemma 3 270M's global layers (measured on CPU at 3K tokens),
-    and Quest's bound does not always rank them in; profiles/resa.yaml keeps 1 (see benchmarks/README.md).
-
-    pooling: how a GQA group shares its selection. "mean" is the paper's (Quest's bound of the group's average
-    query); "softmax" (NSA's group sharing) softmaxes each head's bounds over the blocks and sums them, so that
-    a block one head attends to sharply is not averaged away by the group's other heads (kernels/block_select).
-
-    centroid (ours, False in the paper): also keep each block's mean key and score a block by the average of
-    Quest's bound and q . mean, a closer estimate of its logits than the bound alone (at head_dim 256 over 16
-    keys the bound is loose). On CPU (4K, 4 harness samples decoded densely, every rule scored at every step)
-    the blocks it kept held 89.5% of the attention mass, averaged over steps and heads (the least-served head
-    of each step: 82.6%), against 87.5% (79.5%) with the bound alone and 92.2% (85.7%) for the blocks of most
-    true attention. Costs a third descriptor (1/16 of K)."""
-
-    block_size: int = 16
-    keep_ratio: float = 0.1
-    min_blocks: int = 16
-    local_blocks: int = 1
-    rectify_every: int = 32
-    sink_blocks: int = 0
-    pooling: str = "mean"
-    centroid: bool = False
-
-    def __post_init__(self):
-        require(1 <= self.block_size <= 64 and not self.block_size & (self.block_size - 1), "block_size",
-                self.block_size, "a power of two in [1, 64]")
-        require(0 < self.keep_ratio <= 1, "keep_ratio", self.keep_ratio, "a number in (0, 1]")
-        require(self.local_blocks >= 1, "local_blocks", self.local_blocks, "an integer >= 1")
-        require(self.sink_blocks >= 0, "sink_blocks", self.sink_blocks, "an integer >= 0")
-        require(self.min_blocks >= self.local_blocks + self.sink_blocks, "min_blocks", self.min_blocks,
-                f"an integer >= local_blocks + sink_blocks ({self.local_blocks + self.sink_blocks})")
-        require(self.pooling in POOLINGS, "pooling", self.pooling, f"one of {', '.join(POOLINGS)}")
-        require(self.rectify_every >= 0, "rectify_every", self.rectify_every, "an integer >= 0 (0 = never)")
-
-    @property
-    def rule(self) -> KeepRule:
-        return KeepRule(self.keep_ratio, self.min_blocks, self.local_blocks, self.sink_blocks, self.pooling,
-                        self.centroid)
 
 
 class ResaKVLayer(StaticKVLayer):

@@ -28,29 +28,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engines.base import DocumentState, Engine, EngineInputError, exact_attention, require, synchronize
+from engines.base import DocumentState, Engine, EngineInputError, exact_attention, synchronize
+from engines.config import StarConfig
 from engines.cache import StaticKVCache, StaticKVLayer
 from kernels import cdiv
 from kernels.chunk_attention import chunk_attention_backend
 from kernels.decode_attention import decode_attention, decode_backend, merge_partials
-
-
-@dataclass
-class StarConfig:
-    """Star Attention's parameters; the paper's default is four blocks with the anchor as large as a block."""
-
-    block_size: int | None = None  # context tokens per block; when set it wins over `blocks`
-    blocks: int = 4  # used when block_size is None: the document split into this many equal blocks
-    anchor_size: int | None = None  # tokens of the anchor (the document's start); None = the block size
-
-    def __post_init__(self):
-        require(self.block_size is None or self.block_size >= 1, "block_size", self.block_size,
-                "an integer >= 1 or null")
-        require(self.blocks >= 1, "blocks", self.blocks, "an integer >= 1")
-        require(self.anchor_size is None or self.anchor_size >= 1, "anchor_size", self.anchor_size,
-                "an integer >= 1 or null")
-        require(self.anchor_size is None or self.block_size is None or self.anchor_size <= self.block_size,
-                "anchor_size", self.anchor_size, f"at most block_size ({self.block_size})")
 
 
 @dataclass(frozen=True)

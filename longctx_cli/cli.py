@@ -72,14 +72,14 @@ def _root(
 def _profile(name: str, sets: list[str] | None, only_known: bool = False, **flags):
     """Resolve a profile with --set overrides and flags; only_known (a bench baseline) drops the --set keys its
     engine does not have, so `--set block_size=...` tunes the engine under test without breaking dense."""
-    from engines import ENGINES
+    from engines.config import CONFIGS
     from longctx_cli.profiles import RunSettings, parse_override, resolve_profile
 
     overrides = dict(parse_override(s) for s in sets or [])
     if only_known:
         engine = resolve_profile(name, {}).engine
         known = {f.name for f in dataclasses.fields(RunSettings)} | {
-            f.name for f in dataclasses.fields(ENGINES[engine].Config)}
+            f.name for f in dataclasses.fields(CONFIGS[engine])}
         overrides = {k: v for k, v in overrides.items() if k in known}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     return resolve_profile(name, overrides)
@@ -142,8 +142,6 @@ def ask(
     from longctx_cli.ask import AskOptions, check_ask, run_ask
     from longctx_cli.home import check_home
     from longctx_cli.models import check_model_spec
-    from longctx_cli.profiles import read_profile
-
     paths, asked = _questions(list(paths or []), questions, questions_file)
     if encoding_errors not in ("strict", "replace", "ignore"):
         raise UsageError(f"--encoding-errors must be strict, replace or ignore, not {clip(encoding_errors)}")
@@ -157,11 +155,11 @@ def ask(
     with CLOCK.part("checks"):
         check_ask(opts)
         check_model_spec(model)
-        read_profile(profile)  # no such profile, malformed YAML: refused before the engines are imported
-        with CLOCK.part("imports"):
-            import engines  # noqa: F401 - torch and transformers come with it: seconds, counted as such
+        # Profiles are read from the engines' configurations alone, before torch and transformers load.
         opts.profile = _profile(profile, sets, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
                                 device=device, dtype=dtype, temperature=temperature, top_p=top_p, seed=seed)
+    with CLOCK.part("imports"):
+        from engines import ENGINES  # noqa: F401 - torch and transformers come with it: seconds, counted as such
     opts.quiet = _ranks(opts.profile, gpus, model) or quiet
     code = run_ask(opts)
     distributed.finish()

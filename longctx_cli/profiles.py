@@ -1,8 +1,9 @@
 """Profiles: a flat YAML file names an engine, its parameters and the run settings.
 
 Resolution order: dataclass defaults < profile file < command-line overrides (`--set key=value`, flags).
-Engines are looked up in a registry ({name: engine class}, `engines.ENGINES` by default); each engine class
-carries a `Config` dataclass whose fields are that engine's parameters.
+Engines are looked up in a registry ({name: configuration class}, `engines.config.CONFIGS` by default, which
+imports neither torch nor transformers; engine classes with a `Config` also do), whose fields are that engine's
+parameters.
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ def resolve_profile(name_or_path: str, overrides: dict[str, object] | None = Non
     where = f"profile {name}" if source == "builtin" else name_or_path
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if registry is None:
-        from engines import ENGINES as registry
+        from engines.config import CONFIGS as registry  # the configurations alone: no torch, no transformers
     engines = ", ".join(sorted(registry))
     file_engine = settings.get("engine")
     engine = overrides.get("engine", file_engine)
@@ -207,14 +208,15 @@ def resolve_profile(name_or_path: str, overrides: dict[str, object] | None = Non
         raise ConfigError(f"{where}: missing key 'engine'; one of: {engines}")
     if not isinstance(engine, str) or engine not in registry:
         raise ConfigError(f"{where}: unknown engine {engine!r}; available engines: {engines}")
-    config_cls = registry[engine].Config
+    config_cls = _config_class(registry[engine])
     run_fields = [f.name for f in dataclasses.fields(RunSettings)]
     engine_fields = [f.name for f in dataclasses.fields(config_cls)]
     if clash := set(run_fields) & set(engine_fields):
         raise ConfigError(f"engine {engine}: Config fields {sorted(clash)} shadow run settings of the same name")
     # A profile's parameters for its own engine do not carry over when --set engine=... picks another one.
     if engine != file_engine and isinstance(file_engine, str) and file_engine in registry:
-        stale = {f.name for f in dataclasses.fields(registry[file_engine].Config)} - {*run_fields, *engine_fields}
+        stale = {f.name for f in dataclasses.fields(_config_class(registry[file_engine]))} - {*run_fields,
+                                                                                            *engine_fields}
         settings = {k: v for k, v in settings.items() if k not in stale}
     allowed = [*META_KEYS, *run_fields, *engine_fields]
     origin = {**dict.fromkeys(settings, where), **dict.fromkeys(overrides, "command line")}
@@ -230,6 +232,11 @@ def resolve_profile(name_or_path: str, overrides: dict[str, object] | None = Non
     params = {k: merged[k] for k in engine_fields if k in merged}
     config = _build(config_cls, params, origin, f"{where} (engine {engine})")
     return Profile(name, source, description, engine, run, config)
+
+
+def _config_class(entry) -> type:
+    """A registry entry is an engine class (with its `Config`) or a configuration class itself."""
+    return getattr(entry, "Config", entry)
 
 
 def _build(cls, values: dict, origin: dict[str, str], where: str):

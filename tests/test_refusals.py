@@ -483,15 +483,19 @@ sys.argv = ["longctx", *sys.argv[1:]]
 try:
     main()
 except SystemExit as exc:
-    heavy = sorted(m for m in ("torch", "transformers", "engines") if m in sys.modules)
+    heavy = sorted(m for m in ("torch", "transformers", "engines.base") if m in sys.modules)
     print(exc.code, heavy)
 """
 
 
 @pytest.mark.parametrize("args", [["ask", "q"], ["ask", str(SAMPLE), "q", "--profile", "nope"],
                                   ["ask", str(SAMPLE), "q", "--model", "/nonexistent"],
-                                  ["ask", "/nonexistent.txt", "q"], ["ask", str(SAMPLE), ""]],
-                         ids=["usage", "profile", "model", "document", "question"])
+                                  ["ask", "/nonexistent.txt", "q"], ["ask", str(SAMPLE), ""],
+                                  ["ask", str(SAMPLE), "q", "--set", "chunk_sise=512"],
+                                  ["ask", str(SAMPLE), "q", "--set", "chunk_size=-3"],
+                                  ["ask", str(SAMPLE), "q", "--profile", "star", "--set", "blocks=0"]],
+                         ids=["usage", "profile", "model", "document", "question", "profile-key", "profile-value",
+                              "engine-value"])
 def test_refusals_import_nothing_heavy(args, tmp_path):
     """Refused before torch, transformers or the engines are imported (seconds on a small machine)."""
     import subprocess

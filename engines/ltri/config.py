@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engines.base import require
+from engines.config import require
 
 
 @dataclass

@@ -1,5 +1,2 @@
-"""`sas-pattern`: pattern language (pattern.py, parse.py), analyzer (analyzer.py), cache and engine."""
-
-from engines.sas.engine import SasEngine
-
-__all__ = ["SasEngine"]
+"""`sas-pattern`: pattern language (pattern.py, parse.py), analyzer (analyzer.py), cache and engine (engine.py,
+`engines.sas.engine.SasEngine`, loaded through `engines.ENGINES`)."""

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from engines.base import DocumentState, Engine, EngineInputError
+from engines.config import SasConfig
 from engines.cache import kv_token_bytes, layer_types
 from engines.explicit import score_slices
 from engines.sas.analyzer import CachePlan, describe_index, plan_cache, split
@@ -41,19 +41,6 @@ from kernels.decode_attention import PositionMask, PositionRule, decode_attentio
 # Below this many queries a chunk runs the SDPA path (FlexAttention's query tile is 128).
 _FLEX_MIN_QUERIES = 128
 _EXACT_UP_TO = 65536  # plans (memory, roofline) analyse exactly up to this many tokens
-
-
-@dataclass
-class SasConfig:
-    """pattern: the SAS pattern text (see engines/sas/parse.py), applied on every full-attention layer."""
-
-    pattern: str = "Rect(keys=0:32) + Diag(window=1024)"
-
-    def __post_init__(self):
-        try:
-            split(parse_pattern(self.pattern))
-        except ValueError as exc:
-            raise ValueError(f"bad value for pattern: {exc}") from None
 
 
 def _rows_visible(static: Pattern, area: Pattern | None, q_pos: torch.Tensor, key_pos: torch.Tensor,
