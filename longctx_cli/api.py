@@ -15,6 +15,7 @@ Errors are the command line's (`longctx_cli.errors.LongctxError` and its subclas
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,10 +93,12 @@ class Document:
         session = self.lc.session
         run = session.run
         layout = build_layout(session.tokenizer, question, run.stop, layout=self.lc.opts.layout)
-        if self.ids is None:
-            self.ids = document_ids(session, self.members, layout)
         report = Report(self.name, question, self.lc.opts.profile.engine, self.lc.opts.model or "gemma3-270m",
                         bool(self.lc.opts.model and self.lc.opts.model.startswith("random:")))
+        if self.ids is None:
+            began = time.perf_counter()
+            self.ids = document_ids(session, self.members, layout)
+            report.timings.tokenize_s = time.perf_counter() - began
         report.tokens_in = self.ids.numel() + layout.question_ids.numel()
         need = layout.question_ids.numel() + run.max_new_tokens
         if self.state is None or need > self.reserve:

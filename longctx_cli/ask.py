@@ -274,8 +274,10 @@ def run_ask(opts: AskOptions) -> int:
         try:
             if members[0].error is not None:
                 raise members[0].error
+            began = time.perf_counter()
             with CLOCK.part("tokenize"):
                 ids = document_ids(session, members, layouts[0])
+            reports[0].timings.tokenize_s = time.perf_counter() - began  # the document is tokenized once
             for layout, report in zip(layouts, reports):
                 report.tokens_in = ids.numel() + layout.question_ids.numel()
                 # Refused before any weights are loaded.

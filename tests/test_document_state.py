@@ -101,6 +101,8 @@ def test_cli_three_questions_equal_three_runs_and_reuse_the_saved_state(capsys, 
     alone = [_run(capsys, monkeypatch, "-q", q, "--profile", profile, "--state", "off")[0][0] for q in QUESTIONS]
     assert [o["answer_ids"] for o in together] == [o["answer_ids"] for o in alone]
     assert [o["question"] for o in together] == QUESTIONS
+    # The document is tokenized once, for the first question.
+    assert together[0]["timings"]["tokenize_s"] > 0 and together[1]["timings"]["tokenize_s"] == 0.0
     reusable = ENGINES[together[0]["engine"]].reusable
     if reusable:
         assert together[0]["state"].startswith("computed") and together[1]["state"].startswith("kept")
