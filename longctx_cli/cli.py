@@ -376,10 +376,7 @@ def main() -> None:
         code = app(standalone_mode=False)
         sys.exit(code if isinstance(code, int) else 0)
     except LongctxError as exc:
-        from longctx_cli import distributed
-
-        if not distributed.is_query_rank():
-            sys.exit(exc.exit_code)  # every rank hit the same error; the query rank says it once
+        _rank_failed(message(exc), exc.exit_code)
         if DEBUG["on"]:
             err.print_exception()
         # One line whatever the terminal width; the message is text, not rich markup (paths may hold "[...]").
@@ -408,11 +405,24 @@ def main() -> None:
             sys.exit(getattr(exc, "exit_code", 2))
         if isinstance(exc, StdoutClosed) or isinstance(exc.__cause__, StdoutClosed):
             _stdout_closed()
+        _rank_failed(f"internal error: {type(exc).__name__}: {message(exc)}", 1)
         if DEBUG["on"]:
             err.print_exception()
         err.print(f"[red]internal error:[/] {type(exc).__name__}: {escape(message(exc))} (run with --debug for the "
                   "traceback)", highlight=False, soft_wrap=True)
         sys.exit(1)
+
+
+def _rank_failed(text: str, code: int) -> None:
+    """Inside a world of ranks: leave the error for the launcher; ranks other than the query rank then exit
+    silently (when every rank hits the same error, the query rank says it once)."""
+    from longctx_cli import distributed
+
+    if not distributed.in_world():
+        return
+    distributed.record_error(text, code)
+    if not distributed.is_query_rank():
+        sys.exit(code)
 
 
 def _terminate(signum, frame):

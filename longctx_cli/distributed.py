@@ -1,8 +1,7 @@
 """Ranks for the star engine: a torch.distributed world, from torchrun's environment or spawned here.
 
-`longctx ask --profile star --gpus N` starts N local copies of the same command, each with the environment
-torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT; rendezvous by torch.distributed's
-env:// store), and waits for them. Across hosts, torchrun starts them instead:
+`longctx ask --profile star --gpus N` starts N local copies of the same command through torch.distributed.elastic,
+as `torchrun --standalone --nproc-per-node N` would, and waits for them. Across hosts, torchrun starts them:
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m longctx_cli ask --profile star book.txt "question"
@@ -14,10 +13,9 @@ the others stay silent. NCCL on GPUs, gloo on CPU.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -104,12 +102,6 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def strip_option(argv: list[str], name: str) -> list[str]:
     """argv without `name VALUE` / `name=VALUE`."""
     out, skip = [], False
@@ -124,55 +116,66 @@ def strip_option(argv: list[str], name: str) -> list[str]:
 
 
 def launch(args: list[str], n: int, device: str) -> int:
-    """Run `longctx ARGS` as n local ranks; returns the exit code (the first failure's, else the query rank's).
+    """Run `longctx ARGS` as n local ranks under torch.distributed.elastic (what `torchrun --standalone` does);
+    returns the exit code: the first failing rank's, else 0.
 
-    Standard input ("-") is read here once and handed to every rank as a file.
+    Standard input ("-") is read here once and handed to every rank as a file. A rank other than the query rank
+    that fails alone leaves its one-line error in its elastic error file, and it is printed here.
     """
+    import logging
+    import uuid
+
     import torch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--gpus {n} with --device {device}: use auto, cuda or cpu (each rank takes its own GPU)")
     gpus = torch.cuda.device_count()
     if device != "cpu" and gpus and n > gpus:
         raise ConfigError(f"--gpus {n}: only {gpus} GPU(s) here")
-    env = dict(os.environ, LONGCTX_COMMAND=" ".join(["longctx", *sys.argv[1:]]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(n),
-               LOCAL_WORLD_SIZE=str(n), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // n)))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    os.environ.update(LONGCTX_COMMAND=" ".join(["longctx", *sys.argv[1:]]),
+                      OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // n)))
     stdin_file = None
     if "-" in args:
         stdin_file = tempfile.NamedTemporaryFile(prefix="longctx-stdin-", delete=False)
         stdin_file.write(sys.stdin.buffer.read())
         stdin_file.close()
-        env["LONGCTX_STDIN_FILE"] = stdin_file.name
-    procs = []
+        os.environ["LONGCTX_STDIN_FILE"] = stdin_file.name
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05, shutdown_timeout=10)
     try:
-        for r in range(n):
-            procs.append(subprocess.Popen([sys.executable, "-m", "longctx_cli", *args],
-                                          env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdin=subprocess.DEVNULL))
-        codes = _wait(procs)
-    except KeyboardInterrupt:
-        # The terminal's Ctrl-C reached the ranks too: they flush and exit 130.
-        for p in procs:
-            p.send_signal(signal.SIGINT)
-        _wait(procs)
-        return 130
+        elastic_launch(config, sys.executable)("-m", "longctx_cli", *args)
+        return 0
+    except ChildFailedError as exc:
+        return _first_failure(exc.failures, n)
+    except SignalException as exc:
+        # Ctrl-C or SIGTERM reached the agent; it passed the signal on and the ranks flushed and left.
+        return 143 if exc.sigval == signal.SIGTERM else 130
     finally:
         if stdin_file is not None:
             os.unlink(stdin_file.name)
-    # A rank's own exit code (> 0) says what went wrong; negative ones are ranks stopped after it.
-    failed = [c for c in codes if c > 0]
-    return failed[0] if failed else (1 if any(codes) else 0)
 
 
-def _wait(procs: list[subprocess.Popen]) -> list[int]:
-    """Wait for every rank; once one fails, the others (stuck in a collective) are stopped."""
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            return codes
-        if any(c not in (None, 0) for c in codes):
-            time.sleep(2.0)  # let the others fail on their own first (their messages are clearer)
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            return [p.wait() for p in procs]
-        time.sleep(0.05)
+def record_error(text: str, code: int) -> None:
+    """On a rank, leave the one-line error where the launcher reads it (torch elastic's error file)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": text, "timestamp": int(time.time()), "longctx": {"code": code, "at": time.time()}}, f)
+
+
+def _first_failure(failures: dict, n: int) -> int:
+    """The exit code of the rank that failed first on its own (its error file's time); a rank stopped by a signal
+    after it (negative code) does not count. Prints that rank's line unless the query rank printed one already."""
+    own = {r: f.error_file_data.get("longctx") for r, f in failures.items() if f.exitcode > 0}
+    if not own:
+        return 1
+    first = min(own, key=lambda r: (own[r] or {}).get("at", float("inf")))
+    code = failures[first].exitcode
+    query = failures.get(n - 1)
+    if own[first] and first != n - 1 and (query is None or query.exitcode != code):
+        sys.stderr.write(f"error: rank {first}: {failures[first].message}\n")
+    return code

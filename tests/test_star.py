@@ -173,3 +173,58 @@ def test_two_gpu_ranks_answer_like_one_process(tmp_path):
     assert len(b["answer_ids"]) == 24 and len(set(b["answer_ids"])) > 1 and a["answer_ids"] == b["answer_ids"]
     assert b["counters"]["decode_cuda_graph"] is True
     assert [r["blocks"] for r in b["counters"]["star_per_rank"]] == [2, 2]
+
+
+def test_the_rank_that_failed_first_gives_the_exit_code(tmp_path, capsys):
+    """The launcher reads each rank's error file: the earliest failure decides the exit code, and its line is
+    printed unless the query rank printed the same failure itself."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from longctx_cli import distributed
+
+    def failed(rank: int, code: int, text: str | None) -> ProcessFailure:
+        path = tmp_path / f"error-{rank}.json"
+        if text is not None:
+            os.environ["TORCHELASTIC_ERROR_FILE"] = str(path)
+            distributed.record_error(text, code)
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file=str(path))
+
+    try:
+        # Rank 0 fails alone; the query rank then loses its connection (an internal error) and rank 1 is stopped.
+        first = failed(0, 5, "rank zero cannot read the model")
+        failures = {0: first, 1: failed(1, -15, None), 2: failed(2, 1, "internal error: DistBackendError")}
+        assert distributed._first_failure(failures, 3) == 5
+        assert capsys.readouterr().err.strip() == "error: rank 0: rank zero cannot read the model"
+        # Every rank refuses the same document: the query rank printed it, the launcher adds nothing.
+        failures = {r: failed(r, 4, "3 ranks but only 2 blocks") for r in range(3)}
+        assert distributed._first_failure(failures, 3) == 4 and capsys.readouterr().err == ""
+        # Only signals (stopped from outside): a failure without a code of its own.
+        assert distributed._first_failure({0: failed(0, -9, None), 1: failed(1, -9, None)}, 2) == 1
+    finally:
+        os.environ.pop("TORCHELASTIC_ERROR_FILE", None)
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    """SIGINT to the launcher (what a terminal's Ctrl-C reaches: the ranks run in their own sessions) is passed
+    on; the launcher exits 130 and no rank is left running."""
+    import signal
+    import time
+
+    doc = tmp_path / "ranks-interrupted.txt"
+    doc.write_text(SAMPLE.read_text())
+    proc = subprocess.Popen([sys.executable, "-m", "longctx_cli", "ask", str(doc), "Who?", "--profile", "star",
+                             "--set", "blocks=2", "--device", "cpu", "--gpus", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count(str(doc))]
+    assert not left
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
