@@ -39,7 +39,6 @@ import torch
 from transformers.modeling_utils import AttentionInterface
 
 from engines.cache import StaticKVCache, head_dim, kv_token_bytes, layer_types
-from engines.config import require  # noqa: F401 - engines validate their configs with it
 from engines.decode_blocks import DecodeBlocks
 from engines.decoding import DecodeStep, Sampler
 from kernels.chunk_attention import chunk_attention

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field

@@ -61,14 +61,14 @@ def run_cli(args: list[str], capsys, monkeypatch, stdin_text: str | None = None)
     """Runs `longctx ARGS` in-process; returns (exit code, stdout, stderr)."""
     import io
 
-    from longctx_cli import cli
+    from longctx_cli import entry
 
     monkeypatch.setattr(sys, "argv", ["longctx", *args])
     if stdin_text is not None:
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin_text.encode())))
     code = 0
     try:
-        cli.main()
+        entry.main()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     out = capsys.readouterr()

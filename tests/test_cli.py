@@ -1,6 +1,6 @@
 """The command line end to end on the real embedded model: exit codes, stdout / stderr split, messages.
 
-Every run goes through `longctx_cli.cli.main` in-process (`run_cli`), so the tokenizer and the model load once.
+Every run goes through `longctx_cli.entry.main` in-process (`run_cli`), so the tokenizer and the model load once.
 Documents are paragraphs of samples/lighthouse.txt (~100-150 tokens) unless a test needs the whole story.
 """
 

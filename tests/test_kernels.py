@@ -46,7 +46,7 @@ def naive_decode(q, k, v, lengths, scale, window=None):
 
 def naive_chunk(q, k, v, offset, scale, window=None):
     """fp64 causal attention of q [B, Hq, T, D] at positions offset.. over k, v [B, Hkv, offset+T, D]."""
-    T, L = q.shape[2], offset + q.shape[2]
+    L = offset + q.shape[2]
     group = q.shape[1] // k.shape[1]
     k = k[:, :, :L].double().repeat_interleave(group, dim=1)
     v = v[:, :, :L].double().repeat_interleave(group, dim=1)
@@ -229,7 +229,7 @@ def test_decode_triton_int64_offsets():
 
 
 def lowp_chunk(q, k, v, offset, scale, window=None):
-    T, L = q.shape[2], offset + q.shape[2]
+    L = offset + q.shape[2]
     group = q.shape[1] // k.shape[1]
     k = k[:, :, :L].repeat_interleave(group, dim=1)
     v = v[:, :, :L].repeat_interleave(group, dim=1)

@@ -478,7 +478,7 @@ def test_engine_refusals_come_before_the_weights(capsys, monkeypatch, tmp_path, 
 
 _LIGHT = """
 import sys
-from longctx_cli.cli import main
+from longctx_cli.entry import main
 sys.argv = ["longctx", *sys.argv[1:]]
 try:
     main()

@@ -30,7 +30,7 @@ from engines.base import DocumentState, Engine, EngineInputError
 from engines.config import SasConfig
 from engines.cache import kv_token_bytes, layer_types
 from engines.explicit import score_slices
-from engines.sas.analyzer import CachePlan, describe_index, plan_cache, split
+from engines.sas.analyzer import CachePlan, describe_index, plan_cache
 from engines.sas.cache import SasCache, SasLayer
 from engines.sas.codegen import triton_visible
 from engines.sas.flex import flex_prefill

@@ -1,0 +1,54 @@
+"""What the commands share: the stderr console, the common options, profile resolution and Ctrl-C handling."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from longctx_cli.errors import Interrupted, Terminated
+
+err = Console(stderr=True)
+DEBUG = {"on": False}
+
+ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help="Profile name (see `longctx profiles`) or YAML path.")]
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="HF folder, cached hub id, .gguf file or random:PRESET (default: embedded Gemma 3 270M).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any profile key: --set chunk_size=4096.")]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")]
+ChunkOpt = Annotated[Optional[int], typer.Option("--chunk-size", help="Prefill chunk length in tokens.")]
+GpusOpt = Annotated[int, typer.Option(
+    "--gpus", help="Star only: run N ranks on this host, one per GPU (gloo processes with --device cpu).")]
+MaxNewOpt = Annotated[Optional[int], typer.Option("--max-new-tokens", "-n", help="Answer length limit.")]
+
+
+def signals(command):
+    """Ctrl-C and SIGTERM inside a command reach `main` as Interrupted, which says so and exits 130 / 143."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt as exc:
+            raise Interrupted(isinstance(exc, Terminated)) from None
+
+    return run
+
+
+def profile_from_flags(name: str, sets: list[str] | None, only_known: bool = False, **flags):
+    """Resolve a profile with --set overrides and flags; only_known (a bench baseline) drops the --set keys its
+    engine does not have, so `--set block_size=...` tunes the engine under test without breaking dense."""
+    from engines.config import CONFIGS
+    from longctx_cli.profiles import RunSettings, parse_override, resolve_profile
+
+    overrides = dict(parse_override(s) for s in sets or [])
+    if only_known:
+        engine = resolve_profile(name, {}).engine
+        known = {f.name for f in dataclasses.fields(RunSettings)} | {
+            f.name for f in dataclasses.fields(CONFIGS[engine])}
+        overrides = {k: v for k, v in overrides.items() if k in known}
+    overrides.update({k: v for k, v in flags.items() if v is not None})
+    return resolve_profile(name, overrides)
