@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from longctx_cli.ask import (AnswerOutput, AskOptions, Session, answer_question, check_ask, check_engine, check_length,
-                             document_ids, read_document)
+from longctx_cli.ask import AskOptions, check_ask
+from longctx_cli.session import (AnswerOutput, Session, answer_question, check_engine, check_length, document_ids,
+                                 read_document)
 from longctx_cli.report import Report
 
 # Room kept after the document for questions up to this many tokens (a longer one reads the document again, from

@@ -19,7 +19,7 @@ from longctx_cli.options import DEBUG, err
 def main() -> None:
     # The interpreter's start and the command modules' imports, up to here.
     CLOCK.add("startup", time.time() - CLOCK.mark)
-    from longctx_cli.ask import StdoutClosed
+    from longctx_cli.session import StdoutClosed
     from longctx_cli.cli import app
 
     if hasattr(signal, "SIGTERM"):

@@ -40,7 +40,7 @@ def no_load(monkeypatch, tmp_path):
     def tripwire(self, opts):
         raise Loaded
 
-    monkeypatch.setattr("longctx_cli.ask.Session.__init__", tripwire)
+    monkeypatch.setattr("longctx_cli.session.Session.__init__", tripwire)
     for target in ("longctx_cli.bench.run_bench", "longctx_cli.plan.run_plan", "longctx_cli.distributed.launch"):
         monkeypatch.setattr(target, lambda *args, **kwargs: tripwire(None, None))
     return home
