@@ -22,7 +22,8 @@ and the roofline). Per-document state lives in the state and its cache, never on
 Read once, ask many: an engine with `reusable = True` answers any number of questions from one state, each
 between `checkpoint` (what the question and its answer may overwrite, O(question + answer)) and `restore`;
 `export_state` / `import_state` turn a state into tensors and scalars for the saved-state store and back
-(`state_inputs`: what else shapes the state, for its key). The defaults fit a cache the answer only appends to.
+(`state_inputs`: what else shapes the state, for its key; `agree`: every rank found its part). The defaults
+fit a cache the answer only appends to.
 `check` refuses, from the model's config alone (before weights load), what the engine cannot take.
 """
 
@@ -161,6 +162,10 @@ class Engine(ABC):
     def restore(self, state: DocumentState, checkpoint) -> None:
         """Back to the state `checkpoint` was taken from: the next question sees the document alone."""
         state.position = checkpoint
+
+    def agree(self, found: bool) -> bool:
+        """Whether to use a saved state this process found (`found`): engines of several ranks ask them all."""
+        return found
 
     def state_inputs(self, n_tokens: int, reserve: int) -> dict:
         """What shapes the state beyond the model, the settings and the document (part of its saved key)."""

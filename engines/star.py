@@ -270,10 +270,7 @@ class StarEngine(Engine):
             _check_same_document(ids, self.device)
         p0, p1 = layout.span(self.rank)
         a = layout.anchor
-        kv_start = 0 if self.rank == 0 else a
-        keeps = self.rank == self.query_rank
-        cache = StarCache(self.model.config, kv_start + (p1 - p0) + (reserve if keeps else 0), kv_start=kv_start,
-                          n_context=p1 - p0, shift=p0 - kv_start, world=self.world, keeps_queries=keeps)
+        cache = self._rank_cache(layout, reserve)
         sync = AnchorSync(a) if self.world > 1 else None
         mine = layout.owners[self.rank]
         hi = layout.bounds[mine[0]][1]
@@ -301,6 +298,58 @@ class StarEngine(Engine):
         state.counters.update(star_blocks=len(layout.bounds), star_block_tokens=layout.bounds[0][1],
                               star_anchor_tokens=a, star_ranks=self.world, star_scratch_bytes=scratch_bytes)
         return state
+
+    def _rank_cache(self, layout: StarLayout, reserve: int) -> StarCache:
+        """This rank's cache: [anchor (ranks > 0) | its blocks | (query rank) reserve more]."""
+        p0, p1 = layout.span(self.rank)
+        kv_start = 0 if self.rank == 0 else layout.anchor
+        keeps = self.rank == self.query_rank
+        return StarCache(self.model.config, kv_start + (p1 - p0) + (reserve if keeps else 0), kv_start=kv_start,
+                         n_context=p1 - p0, shift=p0 - kv_start, world=self.world, keeps_queries=keeps)
+
+    # Phase 2 only appends to the query rank's cache (context ranks store nothing new): the base checkpoint holds.
+    reusable = True
+
+    def state_inputs(self, n_tokens: int, reserve: int) -> dict:
+        """Each rank saves its own shard, under a key that names it."""
+        return {"rank": self.rank, "world": self.world}
+
+    def agree(self, found: bool) -> bool:
+        if self.world == 1:
+            return found
+        flag = torch.tensor([int(found)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    @torch.inference_mode()
+    def export_state(self, state: StarState) -> tuple[dict, dict]:
+        """This rank's blocks (the anchor's K/V are not needed after phase 2 began) and the last logits."""
+        cache = state.cache
+        lo, hi = cache.kv_start, cache.kv_start + cache.n_context
+        tensors = {"last_logits": state.last_logits}
+        for i, layer in enumerate(cache.layers):
+            tensors[f"layers.{i}.keys"] = layer.keys[:, :, lo:hi]
+            tensors[f"layers.{i}.values"] = layer.values[:, :, lo:hi]
+        tally = asdict(state.tally) | {"phase2_s": 0.0, "phase2_bytes_received": 0}
+        return tensors, {"n_tokens": state.n_tokens, "prefill_s": state.prefill_s, "counters": state.counters,
+                         "tally": tally}
+
+    @torch.inference_mode()
+    def import_state(self, tensors: dict, meta: dict, reserve: int) -> StarState:
+        n = meta["n_tokens"]
+        layout = plan_blocks(n, self.config, self.world)
+        cache = self._rank_cache(layout, reserve)
+        lo, hi = cache.kv_start, cache.kv_start + cache.n_context
+        for i, layer in enumerate(cache.layers):
+            keys = tensors[f"layers.{i}.keys"].to(self.layer_device(i))
+            values = tensors[f"layers.{i}.values"].to(keys.device)
+            if keys.shape[2] != hi - lo:
+                raise ValueError(f"saved layer {i} holds {keys.shape[2]} tokens, this rank's blocks {hi - lo}")
+            layer.lazy_initialization(keys, values)
+            layer.keys[:, :, lo:hi], layer.values[:, :, lo:hi] = keys, values
+        cache.filled, cache.phase = hi, 2
+        return StarState(cache, n, n, tensors["last_logits"].to(self.device), meta.get("prefill_s", 0.0),
+                         counters=dict(meta.get("counters", {})), layout=layout, tally=RankTally(**meta["tally"]))
 
     def _encode_later_blocks(self, cache: StarCache, ids, layout: StarLayout, blocks,
                              progress) -> tuple[torch.Tensor, int]:

@@ -225,9 +225,9 @@ class DocumentStates:
                 "document": document_digest(ids), **engine.state_inputs(int(ids.numel()), reserve)}
 
     def find(self, engine, ids, reserve: int, report):
-        """The saved state for these inputs, imported with room for `reserve` tokens; None to compute it."""
+        """The saved state for these inputs, imported with room for `reserve` tokens; None to compute it.
+        Engines of several ranks use a saved state only when every rank found its own part (`engine.agree`)."""
         from longctx_cli.clock import CLOCK
-        from longctx_cli.models import warn
         from longctx_cli.report import gib
 
         if self.mode in ("off", "write") or not engine.reusable:
@@ -235,18 +235,27 @@ class DocumentStates:
         inputs = self.inputs(engine, ids, reserve)
         key = state_key(inputs)
         with CLOCK.part("state read"):
-            try:
-                found = self.store.load(key, inputs, device=engine.device)
-            except StateError as exc:
-                warn(f"saved state {key[:12]} ({self.store.path(key)}): {exc}; reading the document again")
-                self.store.remove(key)
+            state, read = self._read(engine, key, inputs, reserve)
+            if not engine.agree(state is not None):
                 return None
-            if found is None:
-                return None
-            tensors, meta, read = found
-            state = engine.import_state(tensors, meta, reserve)
         report.state = f"reused {key[:12]}, read {gib(read.bytes)} in {read.seconds:.2f} s"
         return state
+
+    def _read(self, engine, key: str, inputs: dict, reserve: int):
+        """(state, how it was read), or (None, None) when there is none or it is damaged (one warning line)."""
+        from longctx_cli.models import warn
+
+        try:
+            found = self.store.load(key, inputs, device=engine.device)
+            if found is None:
+                return None, None
+            tensors, meta, read = found
+            return engine.import_state(tensors, meta, reserve), read
+        # StateError: damaged or foreign; KeyError, ValueError: a file of the right key this engine cannot take.
+        except (StateError, KeyError, ValueError) as exc:
+            warn(f"saved state {key[:12]} ({self.store.path(key)}): {exc}; reading the document again")
+            self.store.remove(key)
+            return None, None
 
     def keep(self, engine, state, ids, reserve: int, report) -> None:
         """Save a state just computed, where the engine and `--state` allow; the report says what happened."""

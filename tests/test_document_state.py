@@ -22,8 +22,14 @@ pytestmark = pytest.mark.slow
 SAMPLE = Path(__file__).parent.parent / "samples" / "lighthouse.txt"
 QUESTIONS = ["What was the name of the schooner?", "Who kept the lighthouse?", "What did Ada carry?"]
 NEW = 8
-# Shipped profiles, with settings that make the document long enough for each engine to approximate.
-PROFILES = {"dense": {}, "resa": {"block_size": 16, "min_blocks": 2}}
+# Shipped engines, with settings that make the document long enough for each engine to approximate (sas: ring
+# slots the question overwrites, and an H2O pool it changes).
+CASES = [pytest.param("dense", {}, id="dense"),
+         pytest.param("resa", {"block_size": 16, "min_blocks": 2}, id="resa"),
+         pytest.param("sas-pattern", {"pattern": "Rect(keys=0:16) + Diag(window=96)"}, id="sas-streaming"),
+         pytest.param("sas-pattern", {"pattern": "(Rect(keys=0:16) + Diag(window=96)) + Dynamic(budget=64)"},
+                      id="sas-h2o"),
+         pytest.param("star", {"blocks": 3}, id="star")]
 REUSABLE = sorted(name for name, cls in ENGINES.items() if cls.reusable)
 
 
@@ -45,13 +51,13 @@ def _fresh(engine, doc, question, reserve):
 
 
 def test_reusable_engines_are_covered():
-    assert set(PROFILES) == set(REUSABLE)
+    assert {case.values[0] for case in CASES} == set(REUSABLE)
 
 
-@pytest.mark.parametrize("name", REUSABLE)
-def test_questions_in_a_row_equal_fresh_runs(lm, document, name):
+@pytest.mark.parametrize("name, settings", CASES)
+def test_questions_in_a_row_equal_fresh_runs(lm, document, name, settings):
     doc, questions = document
-    engine = make_engine(lm, name, chunk_size=256, **PROFILES[name])
+    engine = make_engine(lm, name, chunk_size=256, **settings)
     reserve = max(q.numel() for q in questions) + NEW
     want = [_fresh(engine, doc, q, reserve) for q in questions]
     state = engine.prefill(doc, reserve=reserve)
@@ -64,10 +70,10 @@ def test_questions_in_a_row_equal_fresh_runs(lm, document, name):
     assert len({tuple(t) for t in want}) > 1  # the questions really differ
 
 
-@pytest.mark.parametrize("name", REUSABLE)
-def test_exported_state_answers_as_a_fresh_prefill(lm, document, name):
+@pytest.mark.parametrize("name, settings", CASES)
+def test_exported_state_answers_as_a_fresh_prefill(lm, document, name, settings):
     doc, questions = document
-    engine = make_engine(lm, name, chunk_size=256, **PROFILES[name])
+    engine = make_engine(lm, name, chunk_size=256, **settings)
     reserve = questions[0].numel() + NEW
     state = engine.prefill(doc, reserve=reserve)
     tensors, meta = engine.export_state(state)
@@ -75,7 +81,7 @@ def test_exported_state_answers_as_a_fresh_prefill(lm, document, name):
     copy = {k: v.clone() for k, v in tensors.items()}
     json.dumps(meta)  # the scalars go into a JSON header
     restored = engine.import_state(copy, meta, reserve + 5)  # other questions may need more room
-    assert restored.n_tokens == doc.numel() and restored.cache.capacity == doc.numel() + reserve + 5
+    assert restored.n_tokens == doc.numel() and restored.cache.capacity >= doc.numel() + reserve + 5
     assert list(engine.answer(restored, questions[0], NEW, Sampler())) == want
 
 
@@ -93,7 +99,7 @@ def _run(capsys, monkeypatch, *args):
     return [json.loads(line) for line in out.splitlines()], err
 
 
-@pytest.mark.parametrize("profile", ["dense", "resa", "sas-pattern"])
+@pytest.mark.parametrize("profile", ["dense", "resa", "sas-pattern", "star"])
 def test_cli_three_questions_equal_three_runs_and_reuse_the_saved_state(capsys, monkeypatch, states_home,
                                                                          profile):
     asked = [arg for q in QUESTIONS for arg in ("-q", q)]

@@ -78,9 +78,8 @@ def _json_answer(out: str) -> dict:
     return lines[0]
 
 
-def _ranked(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, LONGCTX_HOME=os.environ.get("LONGCTX_HOME", ""))
-    env = {k: v for k, v in env.items() if v}
+def _ranked(args: list[str], stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in dict(os.environ, **(env or {})).items() if v}
     return subprocess.run([sys.executable, "-m", "longctx_cli", *args], input=stdin, capture_output=True, text=True,
                           env=env, timeout=600)
 
@@ -89,7 +88,7 @@ def _ranked(args: list[str], stdin: str | None = None) -> subprocess.CompletedPr
 def test_ranks_over_gloo_answer_like_one_process(ranks, capsys, monkeypatch):
     """`--gpus N --device cpu` spawns N gloo ranks; the answer equals the one-process run of the same blocks.
     The 2-rank run reads the document from stdin (read once by the launcher, handed to every rank)."""
-    common = ["--profile", "star", "--set", "blocks=3", "--device", "cpu", "-n", "12", "--json"]
+    common = ["--profile", "star", "--set", "blocks=3", "--device", "cpu", "-n", "12", "--json", "--state", "off"]
     code, out, err = run_cli(["ask", str(SAMPLE), "What was the name of the schooner?", *common], capsys,
                              monkeypatch)
     assert code == 0, err
@@ -104,6 +103,36 @@ def test_ranks_over_gloo_answer_like_one_process(ranks, capsys, monkeypatch):
     assert [r["blocks"] for r in per_rank] == ([2, 1] if ranks == 2 else [1, 1, 1])
     assert all(r["anchor_broadcast_bytes"] > 0 and r["phase2_bytes_received"] > 0 for r in per_rank)
     assert sum(r["context_tokens"] for r in per_rank) == one["counters"]["star_per_rank"][0]["context_tokens"]
+
+
+def test_ranks_save_and_reuse_their_own_shards(tmp_path):
+    """Two gloo ranks answer two questions from one read, each saves its own shard; a later run reuses both
+    shards, and when one rank's shard is damaged, both ranks read the document again (they agree first)."""
+    from longctx_cli.home import longctx_home
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(longctx_home() / "models", target_is_directory=True)
+    env = {"LONGCTX_HOME": str(home)}
+    common = ["--profile", "star", "--set", "blocks=2", "--device", "cpu", "-n", "8", "--json", "--gpus", "2"]
+    questions = ["What was the name of the schooner?", "Who kept the lighthouse?"]
+
+    def run(*asked: str) -> list[dict]:
+        proc = _ranked(["ask", str(SAMPLE), *[a for q in asked for a in ("-q", q)], *common], env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+    both = run(*questions)
+    assert both[0]["state"].startswith("computed, saved") and both[1]["state"].startswith("kept")
+    shards = sorted((home / "states").glob("*.safetensors"))
+    assert len(shards) == 2  # one per rank
+    again = run(questions[1])
+    assert again[0]["state"].startswith("reused") and again[0]["answer_ids"] == both[1]["answer_ids"]
+    data = bytearray(shards[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shards[0].write_bytes(bytes(data))
+    third = run(questions[1])
+    assert third[0]["state"].startswith("computed, saved") and third[0]["answer_ids"] == both[1]["answer_ids"]
 
 
 def test_more_ranks_than_blocks_is_one_clear_error():

@@ -98,13 +98,24 @@ class SasLayer(OwnedRowsLayer):
                 self.score[:, :, self.staging:] = 0.0
         return self.keys, self.values
 
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """Everything a row holds: K, V, its key position and (H2O) its score."""
+        return (self.keys, self.values, self.key_pos) + ((self.score,) if self.dynamic is not None else ())
+
+    def rows_ahead(self, position: int) -> torch.Tensor:
+        """[R] the rows that tokens from `position` on may overwrite: the slots they take, the H2O pool and the
+        staging row (decode writes a key no static query sees there)."""
+        ahead = self.slot_of[position:]
+        taken = ahead[ahead >= 0].unique()
+        return torch.cat([taken, torch.arange(self.static, self.staging + 1, device=self.device)])
+
     def commit_chunk(self, offset: int, t: int) -> None:
         """After a chunk's attention: its keys still needed by later queries move to their static slots."""
         pos = torch.arange(offset, offset + t, device=self.device)
         keep = (self.slot_of[pos] >= 0) & (self.last[pos] >= offset + t)
         src = self.staging + (pos[keep] - offset)
         dst = self.slot_of[pos[keep]]
-        for buf in (self.keys, self.values, self.key_pos) + ((self.score,) if self.dynamic is not None else ()):
+        for buf in self.buffers():
             buf.index_copy_(2, dst, buf.index_select(2, src))
         self.key_pos[:, :, self.staging:] = -1
 

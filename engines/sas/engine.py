@@ -41,6 +41,7 @@ from kernels.decode_attention import PositionMask, PositionRule, decode_attentio
 # Below this many queries a chunk runs the SDPA path (FlexAttention's query tile is 128).
 _FLEX_MIN_QUERIES = 128
 _EXACT_UP_TO = 65536  # plans (memory, roofline) analyse exactly up to this many tokens
+ROOM_GRAIN = 256  # question + answer room, in tokens, is planned in multiples of this
 
 
 def _rows_visible(static: Pattern, area: Pattern | None, q_pos: torch.Tensor, key_pos: torch.Tensor,
@@ -131,7 +132,7 @@ def admit(layer: SasLayer, candidates: torch.Tensor, offset: int | None) -> None
     src = torch.where(valid, layer.rows_of(candidates, offset), layer.trash)
     if layer.dynamic.refresh:
         dst = torch.where(valid, layer.static + layer.pool_rank[candidates.clamp(min=0)], layer.trash)
-        for buf in (layer.keys, layer.values, layer.key_pos, layer.score):
+        for buf in layer.buffers():
             buf.index_copy_(2, dst, buf.index_select(2, src))
     else:
         pool_rows = torch.arange(layer.static, layer.staging, device=layer.device)
@@ -187,6 +188,12 @@ def _layer_patterns(model_config, config: SasConfig) -> list:
     return [Diag(window=window) if t == "sliding_attention" else pattern for t in layer_types(model_config)]
 
 
+def plan_capacity(n_document: int, reserve: int) -> int:
+    """The sequence length a document's plans are made for: room for the question and the answer, rounded up
+    so that later questions of other lengths find the same plans (and the same saved state)."""
+    return n_document + -(-max(reserve, 1) // ROOM_GRAIN) * ROOM_GRAIN
+
+
 def _staging_rows(chunk_size: int, capacity: int) -> int:
     """Rows a prefill chunk's own K/V take before they move to their slots."""
     return min(chunk_size, capacity)
@@ -240,6 +247,7 @@ class SasEngine(Engine):
     def make_cache(self, capacity: int, reserve: int) -> SasCache:
         start = time.perf_counter()
         self.check(self.model.config, self.config, self.run, capacity - reserve, reserve)
+        capacity = plan_capacity(capacity - reserve, reserve)
         plans = [plan_cache(p, capacity) for p in self.layer_patterns()]
         cache = SasCache(self.model.config, plans, capacity, _staging_rows(self.run.chunk_size, capacity))
         cache.analysis_s = time.perf_counter() - start
@@ -251,6 +259,55 @@ class SasEngine(Engine):
         state.counters["analysis_s"] = round(state.cache.analysis_s, 3)
         return state
 
+    reusable = True
+
+    @torch.inference_mode()
+    def checkpoint(self, state: DocumentState) -> tuple:
+        """The rows the question and the answer may overwrite (their slots, the pool, the staging row)."""
+        kept = []
+        for layer in state.cache.layers:
+            rows = layer.rows_ahead(state.position)
+            kept.append((rows, [buf.index_select(2, rows) for buf in layer.buffers()]))
+        return state.position, kept
+
+    @torch.inference_mode()
+    def restore(self, state: DocumentState, checkpoint) -> None:
+        state.position, kept = checkpoint
+        for layer, (rows, saved) in zip(state.cache.layers, kept):
+            for buf, rows_saved in zip(layer.buffers(), saved):
+                buf.index_copy_(2, rows, rows_saved)
+            layer.key_pos[:, :, layer.staging + 1:] = -1
+
+    def state_inputs(self, n_tokens: int, reserve: int) -> dict:
+        """The plans (so the slots of every key) depend on the length they were made for."""
+        return {"plan_capacity": plan_capacity(n_tokens, reserve)}
+
+    @torch.inference_mode()
+    def export_state(self, state: DocumentState) -> tuple[dict, dict]:
+        """Every layer's rows (bounded by its pattern, not by the document) and the last logits; copies, as
+        answers overwrite rows in place."""
+        tensors = {"last_logits": state.last_logits}
+        for i, layer in enumerate(state.cache.layers):
+            for name, buf in zip(("keys", "values", "key_pos", "score"), layer.buffers()):
+                tensors[f"layers.{i}.{name}"] = buf.clone()
+        return tensors, {"n_tokens": state.n_tokens, "prefill_s": state.prefill_s, "counters": state.counters}
+
+    @torch.inference_mode()
+    def import_state(self, tensors: dict, meta: dict, reserve: int) -> DocumentState:
+        n = meta["n_tokens"]
+        cache = self.make_cache(n + reserve, reserve)
+        for i, layer in enumerate(cache.layers):
+            keys = tensors[f"layers.{i}.keys"].to(self.layer_device(i))
+            layer.lazy_initialization(keys, tensors[f"layers.{i}.values"])
+            for name, buf in zip(("keys", "values", "key_pos", "score"), layer.buffers()):
+                if tensors[f"layers.{i}.{name}"].shape != buf.shape:
+                    raise ValueError(f"saved layer {i} {name} has shape {tuple(tensors[f'layers.{i}.{name}'].shape)}"
+                                     f", the plan {tuple(buf.shape)}")
+                buf.copy_(tensors[f"layers.{i}.{name}"])
+        cache.filled = n
+        return self.State(cache, n, n, tensors["last_logits"].to(self.device), meta.get("prefill_s", 0.0),
+                          counters=dict(meta.get("counters", {})))
+
     @classmethod
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None, *, chunk_size: int,
                     reserve: int) -> int:
@@ -258,6 +315,7 @@ class SasEngine(Engine):
         H2O layers each row's score."""
         per_layer = kv_token_bytes(model_config, dtype_bytes)
         heads = model_config.get_text_config(decoder=True).num_key_value_heads
+        n_tokens = plan_capacity(n_tokens - reserve, reserve)
         staging = _staging_rows(chunk_size, n_tokens) + 1
         return sum((cache_slots(p, n_tokens) + staging) * (per_layer + heads * (12 if p.dynamic() else 8))
                    for p in _layer_patterns(model_config, engine_config or SasConfig()))
