@@ -7,11 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def require(ok: bool, name: str, value, expected: str) -> None:
-    """How engine configs validate a field in `__post_init__`: a ValueError that names it."""
-    if not ok:
-        raise ValueError(f"bad value for {name}: {value!r}; expected {expected}")
+from engines.validation import require
 
 
 @dataclass
@@ -104,7 +100,7 @@ class SasConfig:
             raise ValueError(f"bad value for pattern: {exc}") from None
 
 
-from engines.ltri.config import LtriConfig  # noqa: E402 - it takes `require` from here
+from engines.ltri.config import LtriConfig  # noqa: E402 - the registry below names every engine's configuration
 
 CONFIGS = {"dense": DenseConfig, "resa": ResaConfig, "star": StarConfig, "sas-pattern": SasConfig,
            "ltri-stream": LtriConfig}

@@ -151,7 +151,8 @@ class StateStore:
             raise StateError(f"unreadable ({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})") \
                 from None
         if device is not None:
-            tensors = {name: t.to(device) for name, t in tensors.items()}
+            # `host.` tensors (e.g. ltri-stream's context memory) stay in host memory.
+            tensors = {name: t if name.startswith("host.") else t.to(device) for name, t in tensors.items()}
         for name, t in tensors.items():
             if tensor_checksum(t) != header["checksums"][name]:
                 raise StateError(f"tensor {name} is corrupted (checksum mismatch)")

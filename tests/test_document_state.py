@@ -29,7 +29,8 @@ CASES = [pytest.param("dense", {}, id="dense"),
          pytest.param("sas-pattern", {"pattern": "Rect(keys=0:16) + Diag(window=96)"}, id="sas-streaming"),
          pytest.param("sas-pattern", {"pattern": "(Rect(keys=0:16) + Diag(window=96)) + Dynamic(budget=64)"},
                       id="sas-h2o"),
-         pytest.param("star", {"blocks": 3}, id="star")]
+         pytest.param("star", {"blocks": 3}, id="star"),
+         pytest.param("ltri-stream", {"n_init": 32, "n_local": 128, "block_size": 32, "top_k": 2}, id="ltri")]
 REUSABLE = sorted(name for name, cls in ENGINES.items() if cls.reusable)
 
 
@@ -99,7 +100,7 @@ def _run(capsys, monkeypatch, *args):
     return [json.loads(line) for line in out.splitlines()], err
 
 
-@pytest.mark.parametrize("profile", ["dense", "resa", "sas-pattern", "star"])
+@pytest.mark.parametrize("profile", ["dense", "resa", "sas-pattern", "star", "ltri-stream"])
 def test_cli_three_questions_equal_three_runs_and_reuse_the_saved_state(capsys, monkeypatch, states_home,
                                                                          profile):
     asked = [arg for q in QUESTIONS for arg in ("-q", q)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engines.config import require
+from engines.validation import require
 
 
 @dataclass

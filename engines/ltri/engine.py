@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from engines.base import DocumentState, Engine, EngineInputError
 from engines.cache import full_layers, kv_token_bytes
 from engines.explicit import score_slices
+from engines.ltri import state as document_state
 from engines.ltri.cache import LtriCache, LtriLayer, layer_specs
 from engines.ltri.config import LtriConfig
 from engines.ltri.heads import cached_heads
@@ -246,6 +247,33 @@ class LtriEngine(Engine):
             # Decode: the token at position p goes to row p - shift, right after the window.
             layer.shift.fill_(state.position - (layer.local0 + layer.local_len))
         return logits
+
+    reusable = True
+
+    def checkpoint(self, state: DocumentState) -> tuple:
+        """The retrieval slots and window rows in use, and the stores' lengths (engines/ltri/state.py)."""
+        return state.position, document_state.checkpoint(state.cache)
+
+    def restore(self, state: DocumentState, checkpoint) -> None:
+        state.position, kept = checkpoint
+        document_state.restore(state.cache, kept)
+
+    def state_inputs(self, n_tokens: int, reserve: int) -> dict:
+        """The window's rows past n_local depend on the room asked for."""
+        return {"room": _room(self.run.chunk_size, reserve)}
+
+    def export_state(self, state: DocumentState) -> tuple[dict, dict]:
+        tensors, meta = document_state.export(state.cache)
+        tensors["last_logits"] = state.last_logits
+        return tensors, {**meta, "n_tokens": state.n_tokens, "prefill_s": state.prefill_s,
+                         "counters": state.counters}
+
+    def import_state(self, tensors: dict, meta: dict, reserve: int) -> DocumentState:
+        n = meta["n_tokens"]
+        cache = self.make_cache(n + reserve, reserve)
+        document_state.load(cache, tensors, meta, self.layer_device)
+        return self.State(cache, n, n, tensors["last_logits"].to(self.device), meta.get("prefill_s", 0.0),
+                          counters=dict(meta.get("counters", {})))
 
     @classmethod
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None, *, chunk_size: int,

@@ -1,0 +1,130 @@
+"""Read once, ask many for `ltri-stream`: what a question may change, kept and put back, and the whole state
+as tensors and scalars for the saved-state store.
+
+A question is the last prefill chunk: it retrieves blocks into the slots, adds votes, may push blocks out of
+the window into context memory (and index them); its answer appends to the window. A checkpoint therefore
+keeps, per layer, the retrieval slots and the window rows in use (bounded by the profile, not the document),
+the rows' positions and votes, the window's bookkeeping and how many blocks and index vectors were stored (the
+stores only append, so they are cut back). The saved state holds the same plus the context memory and the
+index vectors; the context memory stays in host memory when read back (`host.` tensors).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from engines.ltri.cache import LtriCache, LtriLayer
+from engines.ltri.spans import Span
+
+def _stores(layer: LtriLayer) -> list[tuple[str, object]]:
+    """(name, store) of a retrieving layer's append-only stores: context memory (host) and index vectors."""
+    if not layer.retrieve:
+        return []
+    memory = [(f"host.memory.{n}", getattr(layer.memory, n)) for n in ("keys", "values", "scales")
+              if hasattr(layer.memory, n)]
+    return memory + [(f"index.{n}", getattr(layer.index, n)) for n in ("vectors", "block", "offset")]
+
+
+def _scalars(layer: LtriLayer) -> dict:
+    return {"local_len": layer.local_len, "local_start": layer.local_start, "slots": list(layer.slots),
+            "peak_rows": layer.peak_rows, "shift": int(layer.shift.item())}
+
+
+def _set_scalars(layer: LtriLayer, values: dict) -> None:
+    layer.local_len, layer.local_start = values["local_len"], values["local_start"]
+    layer.slots, layer.peak_rows = list(values["slots"]), values["peak_rows"]
+    layer.shift.fill_(values["shift"])
+
+
+def _cache_scalars(cache: LtriCache) -> dict:
+    return {"filled": cache.filled, "lams": dict(cache.lams), "lam_samples": copy.deepcopy(cache.lam_samples),
+            "stats": dict(cache.stats)}
+
+
+def _set_cache_scalars(cache: LtriCache, values: dict) -> None:
+    cache.filled, cache.stats = values["filled"], dict(values["stats"])
+    cache.lams = {int(k): v for k, v in values["lams"].items()}
+    cache.lam_samples = {int(k): [tuple(x) for x in v] for k, v in values["lam_samples"].items()}
+
+
+@torch.inference_mode()
+def checkpoint(cache: LtriCache) -> list:
+    """What the next question and answer may change; O(retrieval slots + window) per layer."""
+    kept = []
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            kept.append(None)
+            continue
+        hi = layer.local0 + layer.local_len
+        rows = (layer.keys[:, :, layer.n_init:hi].clone(), layer.values[:, :, layer.n_init:hi].clone(),
+                layer.key_pos.clone(), layer.votes.clone())
+        kept.append((rows, _scalars(layer), dict(layer.pending), [store.n for _, store in _stores(layer)]))
+    return [kept, _cache_scalars(cache)]
+
+
+@torch.inference_mode()
+def restore(cache: LtriCache, kept: list) -> None:
+    layers, scalars = kept
+    for layer, saved in zip(cache.layers, layers):
+        if saved is None:
+            continue
+        (keys, values, key_pos, votes), values_, pending, counts = saved
+        lo = layer.n_init
+        layer.keys[:, :, lo:lo + keys.shape[2]] = keys
+        layer.values[:, :, lo:lo + values.shape[2]] = values
+        layer.key_pos.copy_(key_pos)
+        layer.votes.copy_(votes)
+        _set_scalars(layer, values_)
+        layer.pending = dict(pending)
+        for (_, store), n in zip(_stores(layer), counts):
+            store.n = n
+    _set_cache_scalars(cache, scalars)
+
+
+@torch.inference_mode()
+def export(cache: LtriCache) -> tuple[dict, dict]:
+    """Every layer's rows, context memory (host) and index vectors; the scalars as JSON values."""
+    tensors, layers = {}, []
+    for i, layer in enumerate(cache.layers):
+        if not layer.is_initialized:
+            layers.append(None)
+            continue
+        if layer.device.type == "cuda":
+            torch.cuda.synchronize(layer.device)  # evicted blocks reach host memory by asynchronous copies
+        for name in ("keys", "values", "key_pos", "votes"):
+            tensors[f"layers.{i}.{name}"] = getattr(layer, name).clone()
+        for name, store in _stores(layer):
+            host = name.startswith("host.")
+            # The stores only append: rows in use now stay as they are (no copy of the context memory).
+            tensors[f"host.layers.{i}.{name[5:]}" if host else f"layers.{i}.{name}"] = store.used
+        pending = {str(b): [[s.start, s.end, s.score, s.confidence] for s in spans]
+                   for b, spans in layer.pending.items()}
+        layers.append({**_scalars(layer), "pending": pending})
+    return tensors, {"layers": layers, "cache": _cache_scalars(cache)}
+
+
+@torch.inference_mode()
+def load(cache: LtriCache, tensors: dict, meta: dict, device_of) -> None:
+    """Fills a fresh cache (made for the same document and settings) from `export`'s output. device_of(i): the
+    device of layer i."""
+    for i, (layer, values) in enumerate(zip(cache.layers, meta["layers"])):
+        if values is None:
+            continue
+        keys = tensors[f"layers.{i}.keys"].to(device_of(i))
+        layer.lazy_initialization(keys, tensors[f"layers.{i}.values"])
+        for name in ("keys", "values", "key_pos", "votes"):
+            saved, buf = tensors[f"layers.{i}.{name}"], getattr(layer, name)
+            if saved.shape != buf.shape:
+                raise ValueError(f"saved layer {i} {name} has shape {tuple(saved.shape)}, the cache "
+                                 f"{tuple(buf.shape)}")
+            buf.copy_(saved)
+        for name, store in _stores(layer):
+            saved = tensors[f"host.layers.{i}.{name[5:]}" if name.startswith("host.") else f"layers.{i}.{name}"]
+            store.n = 0
+            store.append(saved.to(store.device))
+        _set_scalars(layer, values)
+        layer.pending = {int(b): [Span(int(a), int(e), float(s), float(c)) for a, e, s, c in spans]
+                         for b, spans in values["pending"].items()}
+    _set_cache_scalars(cache, meta["cache"])
