@@ -516,3 +516,30 @@ def test_exact_compensation_equals_attention_over_every_stored_key(monkeypatch):
     assert owner.stats["host_to_device_bytes"] == 3 * 2 * hkv * block * d * 4  # the 3 blocks' K and V, once
     rows_only, _ = _softmax_attention(layer, query, layer.keys, layer.values, 0.5, n - t, t, exact=False)
     assert (rows_only - out).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_context_memory_adopts_saved_blocks_and_appends_after_them(fp8):
+    """A state read back hands its blocks to the context memory as they are; blocks a question adds go to the
+    slabs after them, and every block loads back as stored (fp8: as quantised)."""
+    from engines.ltri.memory import ContextMemory
+
+    g = torch.Generator().manual_seed(42)
+    heads, block, dim = 2, 4, 8
+    blocks = torch.randn(5, 2, heads, block * 1, dim, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    whole = ContextMemory(heads, block, dim, torch.bfloat16, pin=False, fp8=fp8)
+    for b in blocks:
+        whole.add(b[0], b[1])
+    saved = whole.stored()
+    part = ContextMemory(heads, block, dim, torch.bfloat16, pin=False, blocks=1, fp8=fp8)
+    part.adopt(*(t[:3] for t in saved))
+    for b in blocks[3:]:
+        part.add(b[0], b[1])
+    assert part.n_blocks == whole.n_blocks == 5
+    for i in range(5):
+        want = [torch.empty(heads, block, dim, dtype=torch.bfloat16) for _ in range(2)]
+        got = [torch.empty_like(w) for w in want]
+        whole.load(i, *want)
+        part.load(i, *got)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(torch.equal(a, b) for a, b in zip(part.stored(), saved))

@@ -120,3 +120,19 @@ def test_states_command_lists_and_removes(tmp_path, monkeypatch, capsys):
     assert code == 0 and "removed 1 state" in err and not store.path(key).exists()
     code, out, err = run_cli(["states", "rm", "nope"], capsys, monkeypatch)
     assert code == 2 and "no saved state matches" in err
+
+
+def test_checksums_of_large_host_tensors_see_every_piece():
+    """Host tensors past 64 MiB are checked piece by piece on several threads; a flipped byte in any piece, or a
+    different length, changes the checksum."""
+    import torch
+
+    from longctx_cli.states import tensor_checksum
+
+    t = torch.zeros(65 << 20, dtype=torch.uint8)
+    first = tensor_checksum(t)
+    for where in (0, 64 << 20, (65 << 20) - 1):
+        t[where] = 1
+        assert tensor_checksum(t) != first
+        t[where] = 0
+    assert tensor_checksum(t) == first and tensor_checksum(t[:-4]) != first

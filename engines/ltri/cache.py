@@ -63,7 +63,9 @@ class LtriLayer(OwnedRowsLayer):
             # Sized for the whole document up front (the cache knows its length): a growing pinned slab would
             # wait for the device and copy itself at every doubling.
             blocks = context_blocks(self.owner.capacity, self.n_init, self.block)
-            self.memory = ContextMemory(heads, self.block, dim, self.dtype, pin, blocks, self.fp8_memory)
+            # A state read back brings its blocks along: its slabs only take the blocks a question adds.
+            slab = blocks if self.owner.memory_blocks is None else self.owner.memory_blocks
+            self.memory = ContextMemory(heads, self.block, dim, self.dtype, pin, slab, self.fp8_memory)
             self.index = IndexMemory(heads, dim, self.dtype, self.device, blocks * self.max_vectors)
         self.is_initialized = True
 
@@ -179,6 +181,7 @@ class LtriCache(StaticKVCache):
         self.span_queue: list = []  # (layer, layer index, first block id, maps [k, block, block]) to divide
         self.pick_queue: list = []  # (layer, layer index, first block id, keys, votes) evicted, to index
         self.question = False  # the chunk in flight is the question (see LtriConfig.compensate_question)
+        self.memory_blocks: int | None = None  # initial context-memory slab size (None: the whole document's)
         self.lams: dict[int, float] = {}  # per layer, lam calibrated to LtriConfig.compression
         self.lam_samples: dict[int, list[tuple[int, float]]] = {}  # (length, confidence) of recent spans
         self.stats = {"host_to_device_bytes": 0, "device_to_host_bytes": 0, "blocks_retrieved": 0,

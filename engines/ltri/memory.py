@@ -75,9 +75,38 @@ class ContextMemory:
         if fp8:
             self.scales = _Growable((2, heads), torch.float32, cpu, pin, blocks)  # [n, K/V, Hkv]
 
+        self.base: tuple[torch.Tensor, ...] = ()  # blocks read back from a saved state (adopt)
+
+    @property
+    def n_base(self) -> int:
+        return self.base[0].shape[0] if self.base else 0
+
     @property
     def n_blocks(self) -> int:
-        return self.keys.n
+        return self.n_base + self.keys.n
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+        """Blocks 0.. from a saved state, kept as they were read (no copy into the pinned slabs, which stay for
+        blocks added later): [n, Hkv, block, D] each, scales [n, 2, Hkv] when fp8."""
+        self.base = (keys, values) + ((scales,) if self.fp8 else ())
+        for slab in self.slabs():
+            slab.n = 0
+
+    def slabs(self) -> list["_Growable"]:
+        """The append-only slabs (blocks after the adopted ones): keys, values and (fp8) scales."""
+        return [self.keys, self.values] + ([self.scales] if self.fp8 else [])
+
+    def stored(self) -> list[torch.Tensor]:
+        """Every stored block as tensors (keys, values, (fp8) scales), adopted ones first."""
+        if not self.base:
+            return [slab.used for slab in self.slabs()]
+        return [torch.cat([b, slab.used]) if slab.n else b for b, slab in zip(self.base, self.slabs())]
+
+    def _block(self, i: int, block_id: int) -> torch.Tensor:
+        """Block block_id of tensor i (0 keys, 1 values, 2 scales)."""
+        if block_id < self.n_base:
+            return self.base[i][block_id]
+        return self.slabs()[i].data[block_id - self.n_base]
 
     def add(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """keys/values: [Hkv, n * block, D] on the device, n whole blocks in position order. Returns the bytes
@@ -99,17 +128,18 @@ class ContextMemory:
 
     def load(self, block_id: int, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Copies block `block_id` into keys/values [Hkv, block, D] (device rows); returns the bytes moved."""
+        k, v = self._block(0, block_id), self._block(1, block_id)
         if not self.fp8:
-            keys.copy_(self.keys.data[block_id], non_blocking=True)
-            values.copy_(self.values.data[block_id], non_blocking=True)
-            return 2 * self.keys.data[block_id].nbytes
-        scale = self.scales.data[block_id].to(keys.device, non_blocking=True)  # [2, Hkv]
-        for dst, src, s in ((keys, self.keys.data[block_id], scale[0]), (values, self.values.data[block_id], scale[1])):
+            keys.copy_(k, non_blocking=True)
+            values.copy_(v, non_blocking=True)
+            return 2 * k.nbytes
+        scale = self._block(2, block_id).to(keys.device, non_blocking=True)  # [2, Hkv]
+        for dst, src, s in ((keys, k, scale[0]), (values, v, scale[1])):
             dst.copy_(src.to(keys.device, non_blocking=True).float() * s[:, None, None])
-        return 2 * self.keys.data[block_id].nbytes + self.scales.data[block_id].nbytes
+        return 2 * k.nbytes + self._block(2, block_id).nbytes
 
     def nbytes(self) -> int:
-        return self.keys.nbytes() + self.values.nbytes() + (self.scales.nbytes() if self.fp8 else 0)
+        return sum(slab.nbytes() for slab in self.slabs()) + sum(t.nbytes for t in self.base)
 
 
 class IndexMemory:

@@ -18,13 +18,15 @@ import torch
 from engines.ltri.cache import LtriCache, LtriLayer
 from engines.ltri.spans import Span
 
-def _stores(layer: LtriLayer) -> list[tuple[str, object]]:
-    """(name, store) of a retrieving layer's append-only stores: context memory (host) and index vectors."""
+_MEMORY = ("keys", "values", "scales")
+_INDEX = ("vectors", "block", "offset")
+
+
+def _stores(layer: LtriLayer) -> list:
+    """A retrieving layer's append-only stores: context memory slabs (host) and index vectors (device)."""
     if not layer.retrieve:
         return []
-    memory = [(f"host.memory.{n}", getattr(layer.memory, n)) for n in ("keys", "values", "scales")
-              if hasattr(layer.memory, n)]
-    return memory + [(f"index.{n}", getattr(layer.index, n)) for n in ("vectors", "block", "offset")]
+    return layer.memory.slabs() + [getattr(layer.index, name) for name in _INDEX]
 
 
 def _scalars(layer: LtriLayer) -> dict:
@@ -60,7 +62,7 @@ def checkpoint(cache: LtriCache) -> list:
         hi = layer.local0 + layer.local_len
         rows = (layer.keys[:, :, layer.n_init:hi].clone(), layer.values[:, :, layer.n_init:hi].clone(),
                 layer.key_pos.clone(), layer.votes.clone())
-        kept.append((rows, _scalars(layer), dict(layer.pending), [store.n for _, store in _stores(layer)]))
+        kept.append((rows, _scalars(layer), dict(layer.pending), [store.n for store in _stores(layer)]))
     return [kept, _cache_scalars(cache)]
 
 
@@ -78,7 +80,7 @@ def restore(cache: LtriCache, kept: list) -> None:
         layer.votes.copy_(votes)
         _set_scalars(layer, values_)
         layer.pending = dict(pending)
-        for (_, store), n in zip(_stores(layer), counts):
+        for store, n in zip(_stores(layer), counts):
             store.n = n
     _set_cache_scalars(cache, scalars)
 
@@ -95,10 +97,12 @@ def export(cache: LtriCache) -> tuple[dict, dict]:
             torch.cuda.synchronize(layer.device)  # evicted blocks reach host memory by asynchronous copies
         for name in ("keys", "values", "key_pos", "votes"):
             tensors[f"layers.{i}.{name}"] = getattr(layer, name).clone()
-        for name, store in _stores(layer):
-            host = name.startswith("host.")
-            # The stores only append: rows in use now stay as they are (no copy of the context memory).
-            tensors[f"host.layers.{i}.{name[5:]}" if host else f"layers.{i}.{name}"] = store.used
+        if layer.retrieve:
+            # The stores only append: their blocks and vectors stay as they are (no copy of the context memory).
+            for name, tensor in zip(_MEMORY, layer.memory.stored()):
+                tensors[f"host.layers.{i}.memory.{name}"] = tensor
+            for name in _INDEX:
+                tensors[f"layers.{i}.index.{name}"] = getattr(layer.index, name).used
         pending = {str(b): [[s.start, s.end, s.score, s.confidence] for s in spans]
                    for b, spans in layer.pending.items()}
         layers.append({**_scalars(layer), "pending": pending})
@@ -109,6 +113,7 @@ def export(cache: LtriCache) -> tuple[dict, dict]:
 def load(cache: LtriCache, tensors: dict, meta: dict, device_of) -> None:
     """Fills a fresh cache (made for the same document and settings) from `export`'s output. device_of(i): the
     device of layer i."""
+    cache.memory_blocks = 16
     for i, (layer, values) in enumerate(zip(cache.layers, meta["layers"])):
         if values is None:
             continue
@@ -120,10 +125,14 @@ def load(cache: LtriCache, tensors: dict, meta: dict, device_of) -> None:
                 raise ValueError(f"saved layer {i} {name} has shape {tuple(saved.shape)}, the cache "
                                  f"{tuple(buf.shape)}")
             buf.copy_(saved)
-        for name, store in _stores(layer):
-            saved = tensors[f"host.layers.{i}.{name[5:]}" if name.startswith("host.") else f"layers.{i}.{name}"]
-            store.n = 0
-            store.append(saved.to(store.device))
+        if layer.retrieve:
+            # The context memory is used where it was read into (host memory), not copied into pinned slabs.
+            layer.memory.adopt(*(tensors[f"host.layers.{i}.memory.{name}"] for name in _MEMORY
+                                 if f"host.layers.{i}.memory.{name}" in tensors))
+            for name in _INDEX:
+                store = getattr(layer.index, name)
+                store.n = 0
+                store.append(tensors[f"layers.{i}.index.{name}"].to(store.device))
         _set_scalars(layer, values)
         layer.pending = {int(b): [Span(int(a), int(e), float(s), float(c)) for a, e, s, c in spans]
                          for b, spans in values["pending"].items()}

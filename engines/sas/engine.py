@@ -19,12 +19,14 @@ Gemma-style sliding-window layers keep their own window exactly, as a Diag(windo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engines.base import DocumentState, Engine, EngineInputError
 from engines.config import SasConfig
@@ -105,7 +107,8 @@ def _prefill_reference(layer, query, key, value, scaling, offset):
         mask = mask & _refresh_selection(layer, width)[:, :, None]
     k, v = key[:, :, :width], value[:, :, :width]
     if layer.dynamic is None:
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
+        with _without_cudnn(query):
+            out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
         return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
     out = torch.empty_like(query)
     gained = torch.zeros(B, k.shape[1], width, dtype=torch.float32, device=query.device)
@@ -115,6 +118,14 @@ def _prefill_reference(layer, query, key, value, scaling, offset):
         gained += _reduce_heads(p, layer.dynamic.reduce).sum(dim=-2)
     _gain(layer, gained, T)
     return out
+
+
+def _without_cudnn(query):
+    """SDPA without its cuDNN backend: cuDNN builds an execution plan per new shape (over a second on an H100),
+    and every question has a length of its own; the memory-efficient kernel takes any mask without a plan."""
+    if not query.is_cuda:
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _gain(layer: SasLayer, gained: torch.Tensor, n_staged: int) -> None:
