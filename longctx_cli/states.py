@@ -57,38 +57,53 @@ def model_fingerprint(folder: Path | None, random_preset: str | None = None) -> 
 
 
 def tensor_checksum(t) -> str:
-    """A checksum of the tensor's bytes, computed where the tensor lives: CRC-32 on the CPU (~4 GB/s); on a GPU
-    a position-weighted sum of its 32-bit words (a GPU state is checked without a copy to the host). Either
-    way a truncated, shifted or overwritten word changes it. States are saved and read on the same device
-    type (part of their key), so both sides use the same rule."""
+    """A checksum of the tensor's bytes, computed where the tensor lives: CRC-32 on the CPU; on a GPU a
+    position-weighted sum of its 32-bit words (a GPU state is checked without a copy to the host). Either way a
+    truncated, shifted or overwritten word changes it. States are saved and read on the same device type (part
+    of their key), so both sides use the same rule."""
+    return checksums({"t": t})["t"]
+
+
+_CRC_PIECE = 16 << 20
+
+
+def checksums(tensors: dict) -> dict[str, str]:
+    """tensor_checksum of each tensor. Host tensors are cut into 16 MiB pieces whose CRC-32s run on a thread per
+    core (zlib lets go of the GIL): GiBs of host memory (ltri-stream's context memory) are checked at memory
+    speed rather than one core's ~2 GB/s. A tensor of several pieces is named by a hash of their CRCs."""
+    import zlib
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
 
-    flat = t.detach().contiguous().view(-1).view(torch.uint8)
-    if not flat.is_cuda:
-        return f"crc32:{_crc32_pieces(flat.numpy())}:{flat.numel()}"
+    out, pieces = {}, []
+    for name, t in tensors.items():
+        flat = t.detach().contiguous().view(-1).view(torch.uint8)
+        if flat.is_cuda:
+            out[name] = _device_sum(flat)
+            continue
+        view = memoryview(flat.numpy())
+        cut = [view[i:i + _CRC_PIECE] for i in range(0, len(view), _CRC_PIECE)] or [view]
+        pieces.append((name, len(view), cut))
+    flat_pieces = [p for _, _, cut in pieces for p in cut]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(flat_pieces), os.cpu_count() or 1))) as pool:
+        crcs = iter(list(pool.map(zlib.crc32, flat_pieces)))
+    for name, size, cut in pieces:
+        mine = [next(crcs) for _ in cut]
+        digest = f"{mine[0]:08x}" if len(mine) == 1 else \
+            hashlib.sha256(b"".join(c.to_bytes(4, "little") for c in mine)).hexdigest()[:16]
+        out[name] = f"crc32:{digest}:{size}"
+    return out
+
+
+def _device_sum(flat) -> str:
+    import torch
+
     if flat.numel() % 4:
         flat = torch.cat([flat, flat.new_zeros(4 - flat.numel() % 4)])
     words = flat.view(torch.int32).to(torch.int64)
     weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
     return f"sum:{int((words * weights).sum()) & 0xFFFFFFFFFFFFFFFF:016x}:{words.numel()}"
-
-
-_CRC_PIECE = 64 << 20
-
-
-def _crc32_pieces(data) -> str:
-    """CRC-32 of each 64 MiB piece, on a thread per core (zlib lets go of the GIL): host tensors of GiBs (ltri's
-    context memory) are checked at memory speed instead of one core's ~1-2 GB/s. One piece: its CRC alone."""
-    import zlib
-    from concurrent.futures import ThreadPoolExecutor
-
-    view = memoryview(data)
-    pieces = [view[i:i + _CRC_PIECE] for i in range(0, len(view), _CRC_PIECE)] or [view]
-    if len(pieces) == 1:
-        return f"{zlib.crc32(pieces[0]):08x}"
-    with ThreadPoolExecutor(max_workers=min(len(pieces), os.cpu_count() or 1)) as pool:
-        crcs = list(pool.map(zlib.crc32, pieces))
-    return hashlib.sha256(b"".join(c.to_bytes(4, "little") for c in crcs)).hexdigest()[:16]
 
 
 def document_digest(ids) -> str:
@@ -134,7 +149,7 @@ class StateStore:
 
         start = time.perf_counter()
         header = {"format": FORMAT, "key": key, "inputs": inputs, "meta": meta,
-                  "checksums": {name: tensor_checksum(t) for name, t in tensors.items()}}
+                  "checksums": checksums(tensors)}
         cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
         path = self.path(key)
         with atomic_file(path) as tmp:
@@ -169,8 +184,8 @@ class StateStore:
         if device is not None:
             # `host.` tensors (e.g. ltri-stream's context memory) stay in host memory.
             tensors = {name: t if name.startswith("host.") else t.to(device) for name, t in tensors.items()}
-        for name, t in tensors.items():
-            if tensor_checksum(t) != header["checksums"][name]:
+        for name, found in checksums(tensors).items():
+            if found != header["checksums"][name]:
                 raise StateError(f"tensor {name} is corrupted (checksum mismatch)")
         os.utime(path)  # most recently used: evicted last
         return tensors, header["meta"], Saved(key, path, path.stat().st_size, time.perf_counter() - start)

@@ -123,7 +123,7 @@ def test_states_command_lists_and_removes(tmp_path, monkeypatch, capsys):
 
 
 def test_checksums_of_large_host_tensors_see_every_piece():
-    """Host tensors past 64 MiB are checked piece by piece on several threads; a flipped byte in any piece, or a
+    """Host tensors past 16 MiB are checked piece by piece on several threads; a flipped byte in any piece, or a
     different length, changes the checksum."""
     import torch
 

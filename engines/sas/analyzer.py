@@ -164,8 +164,27 @@ class CachePlan:
 
 
 def plan_cache(pattern: Pattern | str, n: int) -> CachePlan:
-    """Analyse `pattern` for n tokens."""
-    return _plan_cache(parse_pattern(pattern) if isinstance(pattern, str) else pattern, n)
+    """Analyse `pattern` for n tokens (or take the plan `adopt_plan` was given)."""
+    pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
+    return _ADOPTED.get((pattern, n)) or _plan_cache(pattern, n)
+
+
+_ADOPTED: dict[tuple[Pattern, int], CachePlan] = {}
+
+
+def adopt_plan(pattern: Pattern, n: int, static_slots: int, dynamic_slots: int, slot_of: torch.Tensor,
+               last: torch.Tensor, enters_pool: torch.Tensor) -> CachePlan:
+    """A plan made before (e.g. stored with a saved state), used instead of analysing again (seconds at 128K
+    tokens). The most recent few are kept."""
+    parts = split(pattern)
+    plan = CachePlan(pattern, n, static_slots, dynamic_slots, slot_of, last, enters_pool, parts.dynamic, parts.area,
+                     parts.static)
+    if slot_of.shape != (n,) or last.shape != (n,) or enters_pool.shape != (n,):
+        raise ValueError(f"a plan for {n} tokens needs tables of {n} entries, got {tuple(slot_of.shape)}")
+    _ADOPTED[(pattern, n)] = plan
+    while len(_ADOPTED) > 8:
+        _ADOPTED.pop(next(iter(_ADOPTED)))
+    return plan
 
 
 @functools.lru_cache(maxsize=16)

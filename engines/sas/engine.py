@@ -32,7 +32,7 @@ from engines.base import DocumentState, Engine, EngineInputError
 from engines.config import SasConfig
 from engines.cache import kv_token_bytes, layer_types
 from engines.explicit import score_slices
-from engines.sas.analyzer import CachePlan, describe_index, plan_cache
+from engines.sas.analyzer import CachePlan, adopt_plan, describe_index, plan_cache
 from engines.sas.cache import SasCache, SasLayer
 from engines.sas.codegen import triton_visible
 from engines.sas.flex import flex_prefill
@@ -248,7 +248,7 @@ class SasEngine(Engine):
         if n_tokens is None:
             return
         try:
-            plan = plan_cache(engine_config.pattern, n_tokens + reserve)
+            plan = plan_cache(engine_config.pattern, plan_capacity(n_tokens, reserve))
         except ValueError as exc:  # a pattern too irregular to analyse at this length
             raise EngineInputError(str(exc)) from None
         if plan.slots == 0:
@@ -297,15 +297,30 @@ class SasEngine(Engine):
     def export_state(self, state: DocumentState) -> tuple[dict, dict]:
         """Every layer's rows (bounded by its pattern, not by the document) and the last logits; copies, as
         answers overwrite rows in place."""
-        tensors = {"last_logits": state.last_logits}
+        tensors, plans = {"last_logits": state.last_logits}, {}
         for i, layer in enumerate(state.cache.layers):
             for name, buf in zip(("keys", "values", "key_pos", "score"), layer.buffers()):
                 tensors[f"layers.{i}.{name}"] = buf.clone()
-        return tensors, {"n_tokens": state.n_tokens, "prefill_s": state.prefill_s, "counters": state.counters}
+            # The plans too (a few tables of the planned length): reading back needs no analysis.
+            plan = layer.plan
+            if str(plan.pattern) not in plans:
+                j = len(plans)
+                plans[str(plan.pattern)] = {"index": j, "static_slots": plan.static_slots,
+                                            "dynamic_slots": plan.dynamic_slots, "n": plan.n}
+                for name in ("slot_of", "last", "enters_pool"):
+                    tensors[f"plans.{j}.{name}"] = getattr(plan, name)
+        return tensors, {"n_tokens": state.n_tokens, "prefill_s": state.prefill_s, "counters": state.counters,
+                         "plans": plans}
 
     @torch.inference_mode()
     def import_state(self, tensors: dict, meta: dict, reserve: int) -> DocumentState:
         n = meta["n_tokens"]
+        for pattern in {p for p in self.layer_patterns()}:
+            saved = meta["plans"].get(str(pattern))
+            if saved is not None:
+                j = saved["index"]
+                adopt_plan(pattern, saved["n"], saved["static_slots"], saved["dynamic_slots"],
+                           *(tensors[f"plans.{j}.{name}"].cpu() for name in ("slot_of", "last", "enters_pool")))
         cache = self.make_cache(n + reserve, reserve)
         for i, layer in enumerate(cache.layers):
             keys = tensors[f"layers.{i}.keys"].to(self.layer_device(i))
