@@ -173,7 +173,9 @@ class Engine(ABC):
 
     @torch.inference_mode()
     def export_state(self, state: DocumentState) -> tuple[dict, dict]:
-        """(tensors, JSON-able scalars) that `import_state` rebuilds the state from: the document's K/V."""
+        """(tensors, JSON-able scalars) that `import_state` rebuilds the state from: the document's K/V. Tensors
+        are read back onto the engine's device, except those named `host.*`, which stay in host memory; the
+        tensors must not change when later questions are answered (copy what answers overwrite)."""
         n = state.n_tokens
         tensors = {"last_logits": state.last_logits}
         for i, layer in enumerate(state.cache.layers):

@@ -305,6 +305,9 @@ class DocumentStates:
         key = state_key(inputs)
         with CLOCK.part("state write"):
             tensors, meta = engine.export_state(state)
+            # Read back, every tensor but `host.` ones goes to the engine's device and is checked there: check
+            # it there now too (the rule differs between host and device).
+            tensors = {name: t if name.startswith("host.") else t.to(engine.device) for name, t in tensors.items()}
             try:
                 saved = self.store.save(key, inputs, tensors, {**meta, "document": report.path})
             except OSError as exc:

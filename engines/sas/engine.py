@@ -308,7 +308,7 @@ class SasEngine(Engine):
                 plans[str(plan.pattern)] = {"index": j, "static_slots": plan.static_slots,
                                             "dynamic_slots": plan.dynamic_slots, "n": plan.n}
                 for name in ("slot_of", "last", "enters_pool"):
-                    tensors[f"plans.{j}.{name}"] = getattr(plan, name)
+                    tensors[f"host.plans.{j}.{name}"] = getattr(plan, name)
         return tensors, {"n_tokens": state.n_tokens, "prefill_s": state.prefill_s, "counters": state.counters,
                          "plans": plans}
 
@@ -320,7 +320,7 @@ class SasEngine(Engine):
             if saved is not None:
                 j = saved["index"]
                 adopt_plan(pattern, saved["n"], saved["static_slots"], saved["dynamic_slots"],
-                           *(tensors[f"plans.{j}.{name}"].cpu() for name in ("slot_of", "last", "enters_pool")))
+                           *(tensors[f"host.plans.{j}.{name}"] for name in ("slot_of", "last", "enters_pool")))
         cache = self.make_cache(n + reserve, reserve)
         for i, layer in enumerate(cache.layers):
             keys = tensors[f"layers.{i}.keys"].to(self.layer_device(i))
