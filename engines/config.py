@@ -73,8 +73,12 @@ class StarConfig:
     block_size: int | None = None  # context tokens per block; when set it wins over `blocks`
     blocks: int = 4  # used when block_size is None: the document split into this many equal blocks
     anchor_size: int | None = None  # tokens of the anchor (the document's start); None = the block size
+    # With `blocks`, fewer blocks where the document is short: each at least this long (one block = dense). The
+    # paper's blocks are thousands of tokens; blocks of a few hundred lose needles dense finds.
+    min_block_size: int = 4096
 
     def __post_init__(self):
+        require(self.min_block_size >= 1, "min_block_size", self.min_block_size, "an integer >= 1")
         require(self.block_size is None or self.block_size >= 1, "block_size", self.block_size,
                 "an integer >= 1 or null")
         require(self.blocks >= 1, "blocks", self.blocks, "an integer >= 1")

@@ -61,7 +61,8 @@ def plan_blocks(n_tokens: int, config: StarConfig, world: int = 1) -> StarLayout
                 "block is plain dense attention: lower block_size, or use blocks: N")
         size = config.block_size
     else:
-        size = cdiv(n_tokens, config.blocks)
+        # Blocks of at least min_block_size, but one per rank where the ranks ask for more.
+        size = cdiv(n_tokens, min(config.blocks, max(world, n_tokens // config.min_block_size, 1)))
     bounds = tuple((lo, min(lo + size, n_tokens)) for lo in range(0, n_tokens, size))
     anchor = size if config.anchor_size is None else config.anchor_size
     if anchor > size:
@@ -297,6 +298,11 @@ class StarEngine(Engine):
                           tally=tally)
         state.counters.update(star_blocks=len(layout.bounds), star_block_tokens=layout.bounds[0][1],
                               star_anchor_tokens=a, star_ranks=self.world, star_scratch_bytes=scratch_bytes)
+        if self.config.block_size is None and len(layout.bounds) < self.config.blocks:
+            state.counters["star_block_rule"] = (
+                f"{len(layout.bounds)} of {self.config.blocks} blocks: each at least min_block_size "
+                f"{self.config.min_block_size:,} tokens" + (" (one block is dense attention)"
+                                                           if len(layout.bounds) == 1 else ""))
         return state
 
     def _rank_cache(self, layout: StarLayout, reserve: int) -> StarCache:

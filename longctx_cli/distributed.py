@@ -119,8 +119,9 @@ def launch(args: list[str], n: int, device: str) -> int:
     """Run `longctx ARGS` as n local ranks under torch.distributed.elastic (what `torchrun --standalone` does);
     returns the exit code: the first failing rank's, else 0.
 
-    Standard input ("-") is read here once and handed to every rank as a file. A rank other than the query rank
-    that fails alone leaves its one-line error in its elastic error file, and it is printed here.
+    Standard input ("-") is read here once and handed to every rank as a file. Every failing rank leaves its
+    one-line error in a folder of this launch (`record_error`); a rank other than the query rank that failed
+    first has its line printed here.
     """
     import logging
     import uuid
@@ -146,36 +147,50 @@ def launch(args: list[str], n: int, device: str) -> int:
         os.environ["LONGCTX_STDIN_FILE"] = stdin_file.name
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05, shutdown_timeout=10)
-    try:
-        elastic_launch(config, sys.executable)("-m", "longctx_cli", *args)
-        return 0
-    except ChildFailedError as exc:
-        return _first_failure(exc.failures, n)
-    except SignalException as exc:
-        # Ctrl-C or SIGTERM reached the agent; it passed the signal on and the ranks flushed and left.
-        return 143 if exc.sigval == signal.SIGTERM else 130
-    finally:
-        if stdin_file is not None:
-            os.unlink(stdin_file.name)
+    with tempfile.TemporaryDirectory(prefix="longctx-ranks-") as errors:
+        os.environ["LONGCTX_RANK_ERRORS"] = errors
+        try:
+            elastic_launch(config, sys.executable)("-m", "longctx_cli", *args)
+            return 0
+        except ChildFailedError as exc:
+            return _first_failure(errors, {r: f.exitcode for r, f in exc.failures.items()}, n)
+        except SignalException as exc:
+            # Ctrl-C or SIGTERM reached the agent; it passed the signal on and the ranks flushed and left.
+            return 143 if exc.sigval == signal.SIGTERM else 130
+        finally:
+            if stdin_file is not None:
+                os.unlink(stdin_file.name)
 
 
 def record_error(text: str, code: int) -> None:
-    """On a rank, leave the one-line error where the launcher reads it (torch elastic's error file)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
+    """On a rank, leave the one-line error where the launcher reads it (and in torch elastic's error file, which
+    torchrun reports)."""
+    record = {"message": text, "timestamp": int(time.time()), "longctx": {"code": code, "at": time.time()}}
+    folder = os.environ.get("LONGCTX_RANK_ERRORS")
+    paths = [os.environ.get("TORCHELASTIC_ERROR_FILE")]
+    paths += [os.path.join(folder, f"rank-{rank()}.json")] if folder else []
+    for path in filter(None, paths):
         with open(path, "w") as f:
-            json.dump({"message": text, "timestamp": int(time.time()), "longctx": {"code": code, "at": time.time()}}, f)
+            json.dump(record, f)
 
 
-def _first_failure(failures: dict, n: int) -> int:
-    """The exit code of the rank that failed first on its own (its error file's time); a rank stopped by a signal
-    after it (negative code) does not count. Prints that rank's line unless the query rank printed one already."""
-    own = {r: f.error_file_data.get("longctx") for r, f in failures.items() if f.exitcode > 0}
-    if not own:
-        return 1
-    first = min(own, key=lambda r: (own[r] or {}).get("at", float("inf")))
-    code = failures[first].exitcode
-    query = failures.get(n - 1)
-    if own[first] and first != n - 1 and (query is None or query.exitcode != code):
-        sys.stderr.write(f"error: rank {first}: {failures[first].message}\n")
+def _first_failure(folder: str, codes: dict[int, int], n: int) -> int:
+    """The exit code of the rank that failed first on its own (the earliest error it recorded); ranks stopped
+    after it by a signal do not count. Prints that rank's line unless the query rank printed the same failure.
+    codes: the exit codes the launcher saw (rank -> code), for ranks that recorded nothing."""
+    recorded = {}
+    for r in range(n):
+        try:
+            with open(os.path.join(folder, f"rank-{r}.json")) as f:
+                recorded[r] = json.load(f)
+        except (OSError, ValueError):
+            pass
+    if not recorded:
+        own = [c for c in codes.values() if c > 0]
+        return own[0] if own else 1
+    first = min(recorded, key=lambda r: recorded[r]["longctx"]["at"])
+    code = recorded[first]["longctx"]["code"]
+    query = recorded.get(n - 1)
+    if first != n - 1 and (query is None or query["longctx"]["code"] != code):
+        sys.stderr.write(f"error: rank {first}: {recorded[first]['message']}\n")
     return code

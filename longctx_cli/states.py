@@ -275,7 +275,7 @@ class DocumentStates:
 
     def _read(self, engine, key: str, inputs: dict, reserve: int):
         """(state, how it was read), or (None, None) when there is none or it is damaged (one warning line)."""
-        from longctx_cli.models import warn
+        from longctx_cli.named_models import warn
 
         try:
             found = self.store.load(key, inputs, device=engine.device)
@@ -292,7 +292,7 @@ class DocumentStates:
     def keep(self, engine, state, ids, reserve: int, report) -> None:
         """Save a state just computed, where the engine and `--state` allow; the report says what happened."""
         from longctx_cli.clock import CLOCK
-        from longctx_cli.models import warn
+        from longctx_cli.named_models import warn
         from longctx_cli.report import gib
 
         if not engine.reusable:

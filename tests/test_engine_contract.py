@@ -30,7 +30,7 @@ EXACT = {
 # Per engine: (profile, settings) whose state the plan must match; several where the state takes other shapes.
 PLANNED = [
     ("dense", {}),
-    ("star", {}),  # four blocks: a scratch [anchor | block] for the blocks after the first
+    ("star", {"min_block_size": 64}),  # four blocks: a scratch [anchor | block] for the blocks after the first
     ("resa", {"centroid": True}),
     ("sas-pattern", {}),
     ("sas-streaming-llm-h2o", {}),  # an H2O pool: scores per row

@@ -10,7 +10,7 @@ from pathlib import Path
 _CONVERTER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from longctx_cli.models import _convert_once
+    from longctx_cli.named_models import convert_once
 
     out = Path(sys.argv[1])
 
@@ -21,7 +21,7 @@ _CONVERTER = textwrap.dedent("""
         out.mkdir()
         (out / "longctx.json").write_text('{"files": {}}')
 
-    _convert_once(out, convert, lambda msg: print(msg, flush=True))
+    convert_once(out, convert, lambda msg: print(msg, flush=True))
 """)
 
 

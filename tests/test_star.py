@@ -55,17 +55,35 @@ def test_phase1_kv_equal_the_papers_augmented_blocks(lm, story_text):
     assert diff > 1e-2
 
 
+def test_short_documents_get_fewer_blocks(capsys, monkeypatch):
+    """Blocks of a few hundred tokens lose needles dense finds: `blocks` gives way to min_block_size (one block
+    is dense attention), except that every rank gets a block; the report says which rule cut the count."""
+    assert len(plan_blocks(10_000, StarConfig(blocks=4)).bounds) == 2
+    assert len(plan_blocks(3_000, StarConfig(blocks=4)).bounds) == 1
+    assert len(plan_blocks(3_000, StarConfig(blocks=4), world=2).bounds) == 2
+    assert len(plan_blocks(40_000, StarConfig(blocks=4)).bounds) == 4
+    answers = {}
+    for profile in ("star", "dense"):
+        code, out, err = run_cli(["ask", str(SAMPLE), "What was the name of the schooner?", "-p", profile, "-n", "12",
+                                  "--json", "--state", "off"], capsys, monkeypatch)
+        assert code == 0, err
+        answers[profile] = _json_answer(out)
+    assert answers["star"]["answer_ids"] == answers["dense"]["answer_ids"]
+    assert answers["star"]["counters"]["star_blocks"] == 1
+    assert "1 of 4 blocks" in answers["star"]["counters"]["star_block_rule"]
+
+
 def test_block_plan_and_bad_configurations():
-    layout = plan_blocks(1000, StarConfig(blocks=3), world=2)
+    layout = plan_blocks(1000, StarConfig(blocks=3, min_block_size=1), world=2)
     assert layout.bounds == ((0, 334), (334, 668), (668, 1000)) and layout.anchor == 334
     assert layout.owners == ((0, 1), (2,))
     assert plan_blocks(1000, StarConfig(block_size=300, anchor_size=64)).anchor == 64
     with pytest.raises(EngineInputError, match="block_size 2,000 is larger than the document"):
         plan_blocks(1000, StarConfig(block_size=2000))
     with pytest.raises(EngineInputError, match="3 ranks but only 2 blocks"):
-        plan_blocks(1000, StarConfig(blocks=2), world=3)
+        plan_blocks(1000, StarConfig(blocks=2, min_block_size=1), world=3)
     with pytest.raises(EngineInputError, match="anchor_size 600 is larger than a block"):
-        plan_blocks(1000, StarConfig(blocks=4, anchor_size=600))
+        plan_blocks(1000, StarConfig(blocks=4, anchor_size=600, min_block_size=1))
     with pytest.raises(ValueError, match="anchor_size"):
         StarConfig(block_size=100, anchor_size=200)
     with pytest.raises(ValueError, match="blocks"):
@@ -88,7 +106,7 @@ def _ranked(args: list[str], stdin: str | None = None, env: dict | None = None) 
 def test_ranks_over_gloo_answer_like_one_process(ranks, capsys, monkeypatch):
     """`--gpus N --device cpu` spawns N gloo ranks; the answer equals the one-process run of the same blocks.
     The 2-rank run reads the document from stdin (read once by the launcher, handed to every rank)."""
-    common = ["--profile", "star", "--set", "blocks=3", "--device", "cpu", "-n", "12", "--json", "--state", "off"]
+    common = ["--profile", "star", "--set", "blocks=3", "--set", "min_block_size=64", "--device", "cpu", "-n", "12", "--json", "--state", "off"]
     code, out, err = run_cli(["ask", str(SAMPLE), "What was the name of the schooner?", *common], capsys,
                              monkeypatch)
     assert code == 0, err
@@ -114,7 +132,7 @@ def test_ranks_save_and_reuse_their_own_shards(tmp_path):
     home.mkdir()
     (home / "models").symlink_to(longctx_home() / "models", target_is_directory=True)
     env = {"LONGCTX_HOME": str(home)}
-    common = ["--profile", "star", "--set", "blocks=2", "--device", "cpu", "-n", "8", "--json", "--gpus", "2"]
+    common = ["--profile", "star", "--set", "blocks=2", "--set", "min_block_size=64", "--device", "cpu", "-n", "8", "--json", "--gpus", "2"]
     questions = ["What was the name of the schooner?", "Who kept the lighthouse?"]
 
     def run(*asked: str) -> list[dict]:
@@ -136,7 +154,7 @@ def test_ranks_save_and_reuse_their_own_shards(tmp_path):
 
 
 def test_more_ranks_than_blocks_is_one_clear_error():
-    proc = _ranked(["ask", str(SAMPLE), "Who?", "--profile", "star", "--set", "blocks=2", "--device", "cpu",
+    proc = _ranked(["ask", str(SAMPLE), "Who?", "--profile", "star", "--set", "blocks=2", "--set", "min_block_size=64", "--device", "cpu",
                     "--gpus", "3"])
     assert proc.returncode == 4, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -167,7 +185,7 @@ def test_gpu_one_block_equals_dense_and_graph_equals_eager():
     dense, _ = greedy_answer(make_engine(lm, "dense"), doc, question, 24)
     one, _ = greedy_answer(make_engine(lm, "star", blocks=1), doc, question, 24)
     assert one == dense
-    outs = {graph: greedy_answer(make_engine(lm, "star", decode_graph=graph), doc, question, 24)[0] for graph in (True, False)}
+    outs = {graph: greedy_answer(make_engine(lm, "star", decode_graph=graph, min_block_size=1000), doc, question, 24)[0] for graph in (True, False)}
     assert outs[True] == outs[False]
 
 
@@ -193,7 +211,7 @@ def test_two_gpu_ranks_answer_like_one_process(tmp_path):
     """NCCL ranks (a tiny fp32 random Llama, so that rounding cannot flip a token): the same answer as one
     process, through the captured decode graph with an all-gather in every layer."""
     model = _tiny_model_folder(tmp_path / "tiny")
-    common = ["--model", str(model), "--dtype", "float32", "-p", "star", "--set", "blocks=4", "-n", "24",
+    common = ["--model", str(model), "--dtype", "float32", "-p", "star", "--set", "blocks=4", "--set", "min_block_size=64", "-n", "24",
               "--layout", "plain", "--json"]
     one = _ranked(["ask", str(SAMPLE), "What was the name of the schooner?", *common])
     two = _ranked(["ask", str(SAMPLE), "What was the name of the schooner?", *common, "--gpus", "2"])
@@ -204,33 +222,34 @@ def test_two_gpu_ranks_answer_like_one_process(tmp_path):
     assert [r["blocks"] for r in b["counters"]["star_per_rank"]] == [2, 2]
 
 
-def test_the_rank_that_failed_first_gives_the_exit_code(tmp_path, capsys):
-    """The launcher reads each rank's error file: the earliest failure decides the exit code, and its line is
+def test_the_rank_that_failed_first_gives_the_exit_code(tmp_path, capsys, monkeypatch):
+    """The launcher reads the errors the ranks recorded: the earliest decides the exit code, and its line is
     printed unless the query rank printed the same failure itself."""
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    import time
 
     from longctx_cli import distributed
 
-    def failed(rank: int, code: int, text: str | None) -> ProcessFailure:
-        path = tmp_path / f"error-{rank}.json"
-        if text is not None:
-            os.environ["TORCHELASTIC_ERROR_FILE"] = str(path)
-            distributed.record_error(text, code)
-        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file=str(path))
+    def failed(folder, rank: int, code: int, text: str) -> None:
+        monkeypatch.setenv("LONGCTX_RANK_ERRORS", str(folder))
+        monkeypatch.setenv("RANK", str(rank))
+        distributed.record_error(text, code)
+        time.sleep(0.01)
 
-    try:
-        # Rank 0 fails alone; the query rank then loses its connection (an internal error) and rank 1 is stopped.
-        first = failed(0, 5, "rank zero cannot read the model")
-        failures = {0: first, 1: failed(1, -15, None), 2: failed(2, 1, "internal error: DistBackendError")}
-        assert distributed._first_failure(failures, 3) == 5
-        assert capsys.readouterr().err.strip() == "error: rank 0: rank zero cannot read the model"
-        # Every rank refuses the same document: the query rank printed it, the launcher adds nothing.
-        failures = {r: failed(r, 4, "3 ranks but only 2 blocks") for r in range(3)}
-        assert distributed._first_failure(failures, 3) == 4 and capsys.readouterr().err == ""
-        # Only signals (stopped from outside): a failure without a code of its own.
-        assert distributed._first_failure({0: failed(0, -9, None), 1: failed(1, -9, None)}, 2) == 1
-    finally:
-        os.environ.pop("TORCHELASTIC_ERROR_FILE", None)
+    # Rank 0 fails alone; the query rank then loses its connection (an internal error); rank 1 is stopped.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    failed(alone, 0, 5, "rank zero cannot read the model")
+    failed(alone, 2, 1, "internal error: DistBackendError")
+    assert distributed._first_failure(str(alone), {0: 5, 1: -15, 2: 1}, 3) == 5
+    assert capsys.readouterr().err.strip() == "error: rank 0: rank zero cannot read the model"
+    # Every rank refuses the same document: the query rank printed it, the launcher adds nothing.
+    same = tmp_path / "same"
+    same.mkdir()
+    for r in range(3):
+        failed(same, r, 4, "3 ranks but only 2 blocks")
+    assert distributed._first_failure(str(same), {0: 4}, 3) == 4 and capsys.readouterr().err == ""
+    # Nothing recorded (ranks stopped from outside): their own codes, else a failure without one.
+    assert distributed._first_failure(str(tmp_path), {0: -9, 1: -9}, 2) == 1
 
 
 def test_ctrl_c_stops_every_rank(tmp_path):
@@ -242,7 +261,7 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     doc = tmp_path / "ranks-interrupted.txt"
     doc.write_text(SAMPLE.read_text())
     proc = subprocess.Popen([sys.executable, "-m", "longctx_cli", "ask", str(doc), "Who?", "--profile", "star",
-                             "--set", "blocks=2", "--device", "cpu", "--gpus", "2"],
+                             "--set", "blocks=2", "--set", "min_block_size=64", "--device", "cpu", "--gpus", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(8)
     proc.send_signal(signal.SIGINT)
