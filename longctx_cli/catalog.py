@@ -1,4 +1,4 @@
-"""`longctx profiles` and `longctx states`: what is installed and what is saved."""
+"""`longctx models`, `longctx profiles` and `longctx states`: what is installed and what is saved."""
 
 from __future__ import annotations
 
@@ -83,3 +83,21 @@ def states_rm(keys: Annotated[Optional[list[str]], typer.Argument(help="Keys (or
     for key in chosen:
         store.remove(key)
     err.print(f"removed {len(chosen)} state{'s' * (len(chosen) != 1)}")
+
+
+def models_list() -> None:
+    """List the named offline models (size, layers, context, installed, converted) and the random presets."""
+    from longctx_cli.gguf_convert import check_converted
+    from longctx_cli.models import RANDOM_PRESETS
+    from longctx_cli.named_models import EMBEDDED, NAMED, model_dir
+
+    for m in NAMED.values():
+        folder = model_dir(m)
+        converted = "converted" if check_converted(folder) is None else "converted on first use (about a minute)"
+        installed = "installed" if m.installed() else f"not installed: {m.install}"
+        default = " (default)" if m.name == EMBEDDED else ""
+        print(f"{m.name + default:<30} {m.title}; GGUF {m.gguf_bytes / 2**20:,.0f} MiB; {m.layers} layers; "
+              f"{m.context:,}-token context; {m.layout} layout; {installed}; {converted}")
+    for name, shape in RANDOM_PRESETS.items():
+        print(f"{'random:' + name:<30} random weights of the {name} shape ({shape['num_hidden_layers']} layers, "
+              f"{shape['max_position_embeddings']:,}-token context): speed runs only")

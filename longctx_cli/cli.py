@@ -1,4 +1,4 @@
-"""Command line: `longctx ask | bench | plan`; `profiles` and `states` live in catalog.py."""
+"""Command line: `longctx ask | bench | plan`; `models`, `profiles` and `states` live in catalog.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from longctx_cli import __version__
-from longctx_cli.catalog import profiles_app, states_app
+from longctx_cli.catalog import models_list, profiles_app, states_app
 from longctx_cli.clock import CLOCK
 from longctx_cli.errors import ConfigError, UsageError, clip
 from longctx_cli.options import (DEBUG, ChunkOpt, DeviceOpt, DtypeOpt, GpusOpt, MaxNewOpt, ModelOpt, ProfileOpt, SetOpt,
@@ -20,6 +20,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, context_settings={
                   help="Ask questions of very long documents.", pretty_exceptions_enable=False)
 app.add_typer(profiles_app, name="profiles")
 app.add_typer(states_app, name="states")
+app.command("models")(models_list)
 
 
 def _version(value: bool):

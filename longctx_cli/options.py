@@ -16,7 +16,8 @@ DEBUG = {"on": False}
 
 ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help="Profile name (see `longctx profiles`) or YAML path.")]
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", "-m", help="HF folder, cached hub id, .gguf file or random:PRESET (default: embedded Gemma 3 270M).")]
+    "--model", "-m", help="gemma3-270m (default), qwen2.5-coder-0.5b, an HF folder, a cached hub id, a .gguf file or "
+    "random:PRESET (see `longctx models`).")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any profile key: --set chunk_size=4096.")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")]
