@@ -8,7 +8,7 @@ import importlib
 
 _CLASSES = {"dense": ("engines.dense", "DenseEngine"), "ltri-stream": ("engines.ltri.engine", "LtriEngine"),
             "resa": ("engines.resa", "ResaEngine"), "sas-pattern": ("engines.sas.engine", "SasEngine"),
-            "star": ("engines.star", "StarEngine")}
+            "star": ("engines.star.engine", "StarEngine")}
 
 
 def __getattr__(name: str):

@@ -1,28 +1,9 @@
-"""`star`: Star Attention. Blockwise-local context encoding with an anchor block, then global query attention.
-
-Phase 1 (prefill): the document is cut into blocks; every block but the first is encoded after the anchor (the
-document's first `anchor_size` tokens) with causal attention over [anchor | block] only, at the tokens' true
-positions; the anchor's K/V are then ignored and the block's kept. The anchor's K/V are the same for every
-block (it attends only to itself), so they are computed once, by the rank holding block 0, and sent to the
-other ranks layer by layer while that rank is still encoding (one NCCL/gloo broadcast per layer): a rank starts
-on its own block without first re-encoding the anchor.
-Phase 2 (question and answer): every rank runs the model on the new tokens; in every layer each rank attends
-over its own KV shard and returns (out, log-sum-exp), an all-gather brings every shard's partial result to
-every rank, and each merges them by log-sum-exp (the paper's distributed softmax). Only the query rank (the
-last, holding the document's end) stores the new tokens' K/V.
-
-One process (no torch.distributed world) runs the same algorithm with the blocks one after another; its phase 2
-is then exactly dense attention over the concatenated cache. A world of several ranks comes from `longctx ask
---gpus N` (local ranks) or torchrun; each rank holds a model replica.
-
-Cache layout on a rank: slots [0, kv_start) hold the anchor (ranks > 0 only), then the rank's blocks (contiguous
-positions p0 .. p1, slot = position - shift), then on the query rank the question and the answer.
-"""
+"""`star`: the engine (the algorithm is described in engines/star/__init__.py)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -30,156 +11,11 @@ import torch.distributed as dist
 
 from engines.base import DocumentState, Engine, EngineInputError, exact_attention, synchronize
 from engines.config import StarConfig
-from engines.cache import StaticKVCache, StaticKVLayer
-from kernels import cdiv
+from engines.star.cache import RankTally, StarCache, StarState
+from engines.star.layout import StarLayout, plan_blocks
+from engines.star.ranks import AnchorSync, check_same_document, gather_merge
 from kernels.chunk_attention import chunk_attention_backend
-from kernels.decode_attention import decode_attention, decode_backend, merge_partials
-
-
-@dataclass(frozen=True)
-class StarLayout:
-    """Where the document's blocks go: bounds [lo, hi) per block, the anchor length, blocks per rank."""
-
-    bounds: tuple[tuple[int, int], ...]
-    anchor: int
-    owners: tuple[tuple[int, ...], ...]  # per rank, its block indices (contiguous, ascending)
-
-    def span(self, rank: int) -> tuple[int, int]:
-        """Positions [p0, p1) of the rank's blocks."""
-        mine = self.owners[rank]
-        return self.bounds[mine[0]][0], self.bounds[mine[-1]][1]
-
-
-def plan_blocks(n_tokens: int, config: StarConfig, world: int = 1) -> StarLayout:
-    """Split n_tokens into blocks and assign them to `world` ranks in order; EngineInputError when it cannot."""
-    if n_tokens < 1:
-        raise EngineInputError("star: the document is empty")
-    if config.block_size is not None:
-        if config.block_size > n_tokens:
-            raise EngineInputError(
-                f"star: block_size {config.block_size:,} is larger than the document ({n_tokens:,} tokens); one "
-                "block is plain dense attention: lower block_size, or use blocks: N")
-        size = config.block_size
-    else:
-        # Blocks of at least min_block_size, but one per rank where the ranks ask for more.
-        size = cdiv(n_tokens, min(config.blocks, max(world, n_tokens // config.min_block_size, 1)))
-    bounds = tuple((lo, min(lo + size, n_tokens)) for lo in range(0, n_tokens, size))
-    anchor = size if config.anchor_size is None else config.anchor_size
-    if anchor > size:
-        raise EngineInputError(f"star: anchor_size {anchor:,} is larger than a block ({size:,} tokens)")
-    if world > len(bounds):
-        raise EngineInputError(f"star: {world} ranks but only {len(bounds)} blocks of {size:,} tokens in a "
-                               f"{n_tokens:,}-token document; use fewer ranks (--gpus) or smaller blocks")
-    # Contiguous shares, as even as possible; the extra blocks go to the first ranks.
-    per, extra = divmod(len(bounds), world)
-    owners, start = [], 0
-    for r in range(world):
-        count = per + (r < extra)
-        owners.append(tuple(range(start, start + count)))
-        start += count
-    return StarLayout(bounds, min(anchor, bounds[0][1]), tuple(owners))
-
-
-class StarLayer(StaticKVLayer):
-    def update(self, key_states, value_states, *args, **kwargs):
-        # Phase 2 on a context rank: the new tokens' K/V are not kept (only the query rank keeps them).
-        if self.owner.phase == 2 and not self.owner.keeps_queries:
-            return self.keys, self.values
-        return super().update(key_states, value_states, *args, **kwargs)
-
-
-class StarCache(StaticKVCache):
-    """A rank's KV: [anchor (ranks > 0) | its blocks | (query rank) question + answer]; slot = position - shift.
-
-    Phase 1 (`phase = 1`) writes chunks at host slots as the dense cache does. Phase 2 takes absolute positions
-    (device tensors in decode) and derives slots on the device; `sync` (set for one forward) moves the anchor's
-    K/V layer by layer from the rank that encodes it to the others.
-    """
-
-    layer_class = StarLayer
-
-    def __init__(self, config, capacity: int, *, kv_start: int, n_context: int, shift: int, world: int,
-                 keeps_queries: bool):
-        super().__init__(config, capacity)
-        self.kv_start, self.n_context, self.shift = kv_start, n_context, shift
-        self.world, self.keeps_queries = world, keeps_queries
-        self.phase = 1
-        self.sync: AnchorSync | None = None
-        self._context_end: dict[torch.device, torch.Tensor] = {}
-
-    def begin_chunk(self, offset: int, n: int) -> None:
-        if self.phase == 2 and not self.keeps_queries:
-            # The new tokens are not stored here; offset is their (virtual) slot, past the context.
-            self.decoding, self.offset = False, offset
-            return
-        super().begin_chunk(offset, n)
-
-    def begin_decode(self, position: torch.Tensor, length: torch.Tensor) -> None:
-        """position, length: absolute ([1] int64 on the device); stored as slots."""
-        super().begin_decode(position - self.shift, length - self.shift)
-
-    def context_end_on(self, device: torch.device) -> torch.Tensor:
-        """[1] int64: the number of context slots past kv_start (a context rank's shard length)."""
-        if device not in self._context_end:
-            self._context_end[device] = torch.full((1,), self.n_context, dtype=torch.long, device=device)
-        return self._context_end[device]
-
-
-@dataclass
-class AnchorSync:
-    """For one forward: after layer l has written the anchor's K/V on the source rank, broadcast them.
-
-    tokens: the anchor length. The source is rank 0 (it encodes block 0): there the K/V are read from slots
-    [0, tokens), on the receivers written to slots [0, tokens) (sliding-window layers: the last `window` anchor
-    tokens, all that a block can see). sent_bytes counts what crossed (sent on rank 0, received elsewhere).
-    """
-
-    tokens: int
-    sent_bytes: int = 0
-
-    def __call__(self, key: torch.Tensor, value: torch.Tensor, window: int | None, is_source: bool) -> None:
-        lo = 0 if window is None else max(0, self.tokens - window)
-        buf = (torch.stack([key[:, :, lo:self.tokens], value[:, :, lo:self.tokens]]) if is_source else
-               torch.empty((2, *key[:, :, lo:self.tokens].shape), dtype=key.dtype, device=key.device))
-        dist.broadcast(buf, src=0)
-        self.sent_bytes += buf.nbytes
-        if not is_source:
-            key[:, :, lo:self.tokens].copy_(buf[0])
-            value[:, :, lo:self.tokens].copy_(buf[1])
-
-
-@dataclass
-class RankTally:
-    """What one rank did for a document, for the report (gathered over ranks into star_per_rank)."""
-
-    blocks: int
-    context_tokens: int
-    phase1_s: float
-    anchor_broadcast_bytes: int
-    phase2_s: float = 0.0
-    phase2_bytes_received: int = 0
-
-
-@dataclass
-class StarState(DocumentState):
-    """A document's state on one rank: its shard of the cache, the block layout, the question's length (phase 2
-    forwards before decoding) and this rank's tally."""
-
-    layout: StarLayout | None = None
-    phase2_tokens: int = 0
-    tally: RankTally | None = None
-
-
-def _gather_merge(out: torch.Tensor, lse: torch.Tensor, world: int) -> torch.Tensor:
-    """out [B, Hq, T, D], lse [B, Hq, T] of this rank's shard -> the merge over every rank's shard [B, Hq, T, D]."""
-    packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)
-    gathered = torch.empty((world, *packed.shape), dtype=packed.dtype, device=packed.device)
-    if dist.get_backend() == "gloo":
-        dist.all_gather(list(gathered.unbind(0)), packed)
-    else:
-        dist.all_gather_into_tensor(gathered, packed)
-    merged, _ = merge_partials(gathered[..., :-1].unbind(0), gathered[..., -1].unbind(0))
-    return merged.to(out.dtype)
+from kernels.decode_attention import decode_attention, decode_backend
 
 
 class StarEngine(Engine):
@@ -219,7 +55,7 @@ class StarEngine(Engine):
         length = first + T if cache.keeps_queries else cache.context_end_on(device)
         out, lse = decode_attention(query, key[:, :, cache.kv_start:], value[:, :, cache.kv_start:], length,
                                     scale=scaling, window=window, return_lse=True, q_first=first)
-        return _gather_merge(out, lse, cache.world)
+        return gather_merge(out, lse, cache.world)
 
     @classmethod
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None, *, chunk_size: int,
@@ -268,7 +104,7 @@ class StarEngine(Engine):
         start = time.perf_counter()
         layout = plan_blocks(ids.numel(), self.config, self.world)
         if self.world > 1:
-            _check_same_document(ids, self.device)
+            check_same_document(ids, self.device)
         p0, p1 = layout.span(self.rank)
         a = layout.anchor
         cache = self._rank_cache(layout, reserve)
@@ -419,16 +255,3 @@ class StarEngine(Engine):
             dist.all_gather_object(ranks, rank)
         counters["star_per_rank"] = ranks
         return counters
-
-
-def _check_same_document(ids: torch.Tensor, device: torch.device) -> None:
-    """Every rank tokenised its own copy of the input (SPMD): refuse to run if the copies differ."""
-    ids = ids.to(torch.long)
-    weights = torch.arange(1, ids.numel() + 1, dtype=torch.long) % 65521
-    mine = torch.tensor([ids.numel(), int(ids.sum()), int((ids * weights).sum())], device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    if any(not torch.equal(mine, other) for other in every):
-        raise EngineInputError("star: the ranks read different documents (token counts or checksums differ); "
-                               "every host must see the same input")
-
