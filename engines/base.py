@@ -42,7 +42,7 @@ from transformers.modeling_utils import AttentionInterface
 from engines.cache import StaticKVCache, head_dim, kv_token_bytes, layer_types
 from engines.decode_blocks import DecodeBlocks
 from engines.decoding import DecodeStep, Sampler
-from kernels.chunk_attention import chunk_attention
+from kernels.chunk_attention import chunk_attention, windowed_compile_pays
 from kernels.decode_attention import decode_attention
 
 
@@ -69,7 +69,8 @@ def exact_attention(query, key, value, scaling, sliding_window, cache):
         out = decode_attention(query[:, :, 0], key, value, cache.length_on(query.device), scale=scaling,
                                window=sliding_window)
         return out.unsqueeze(1)
-    return chunk_attention(query, key, value, cache.offset, scale=scaling, window=sliding_window).transpose(1, 2)
+    return chunk_attention(query, key, value, cache.offset, scale=scaling, window=sliding_window,
+                           compiled=cache.compile_windows).transpose(1, 2)
 
 
 class EngineInputError(ValueError):
@@ -193,8 +194,19 @@ class Engine(ABC):
             layer.lazy_initialization(keys, values)
             layer.keys[:, :, :n], layer.values[:, :, :n] = keys, values
         cache.filled = n
+        cache.compile_windows = self.windows_compiled(n)
         return self.State(cache, n, n, tensors["last_logits"].to(self.device), meta.get("prefill_s", 0.0),
                           counters=dict(meta.get("counters", {})))
+
+    def windows_compiled(self, n_tokens: int) -> bool:
+        """Whether the windowed layers of a document of n_tokens run FlexAttention (compiled per shape) or an
+        uncompiled kernel: compilation pays only for documents with enough windowed attention."""
+        window = getattr(self.text_config, "sliding_window", None)
+        types = layer_types(self.model.config)
+        if not window or "sliding_attention" not in types:
+            return True
+        return windowed_compile_pays(types.count("sliding_attention"), self.text_config.num_attention_heads,
+                                     self.head_dim, window, n_tokens, self.run.chunk_size)
 
     def layer_device(self, index: int) -> torch.device:
         """The device of decoder layer `index` (accelerate may spread the layers over several GPUs)."""
@@ -240,6 +252,7 @@ class Engine(ABC):
         self.activate()
         start = time.perf_counter()
         cache = self.make_cache(ids.numel() + reserve, reserve)
+        cache.compile_windows = self.windows_compiled(ids.numel())
         logits = self._extend(cache, ids, 0, progress)
         synchronize(self.device)
         return self.State(cache, ids.numel(), ids.numel(), logits, time.perf_counter() - start)

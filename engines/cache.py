@@ -128,6 +128,7 @@ class StaticKVCache(Cache):
         self.offset = 0  # prefill: first position of the chunk in flight
         self.filled = 0  # host view of how many positions hold real K/V (prefill only)
         self.decoding = False
+        self.compile_windows = True  # FlexAttention for windowed layers (Engine.prefill decides per document)
         self._position: dict[torch.device, torch.Tensor] = {}
         self._length: dict[torch.device, torch.Tensor] = {}
 

@@ -109,7 +109,8 @@ class ResaEngine(Engine):
         length = longctx.length_on(query.device)
         n_new = query.shape[2]
         if not longctx.decoding:
-            out = chunk_attention(query, key, value, longctx.offset, scale=scaling, window=sliding_window)
+            out = chunk_attention(query, key, value, longctx.offset, scale=scaling, window=sliding_window,
+                                  compiled=longctx.compile_windows)
             if not layer.is_sliding:
                 _describe(layer, key, length, n_new, longctx.block_size)
             return out.transpose(1, 2), None

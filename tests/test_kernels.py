@@ -434,3 +434,27 @@ def test_decode_triton_key_mask_matches_reference(D, heads, S):
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_flex_compiles_only_where_it_pays():
+    """Windowed layers compile FlexAttention only for documents with enough windowed attention: the embedded
+    model's 15 windowed layers at 8K tokens do not; at 1M tokens, or 32 heads with a 4,096 window at 32K, do."""
+    from kernels.chunk_attention import windowed_compile_pays
+
+    assert not windowed_compile_pays(15, 4, 256, 512, 8192, 2048)
+    assert windowed_compile_pays(15, 4, 256, 512, 1 << 20, 2048)
+    assert windowed_compile_pays(32, 32, 128, 4096, 32768, 2048)
+
+
+@pytest.mark.parametrize("T, offset", [(2048, 8192), (1000, 9000), (300, 0)], ids=["T2048", "T1000", "T300-start"])
+@pytest.mark.gpu
+def test_windowed_chunk_without_compilation_matches_flex(T, offset):
+    """The uncompiled windowed path (SDPA with the band mask) against FlexAttention and the fp32 reference."""
+    torch.manual_seed(42)
+    q = torch.randn(1, 4, T, 256, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 1, offset + T + 64, 256, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    ref = chunk_reference(q.float(), k.float(), v.float(), offset, scale=256**-0.5, window=512)
+    plain = chunk_attention(q, k, v, offset, scale=256**-0.5, window=512, compiled=False)
+    flex = chunk_attention(q, k, v, offset, scale=256**-0.5, window=512)
+    assert (plain.float() - ref).abs().max() <= 2 * (flex.float() - ref).abs().max() + 1e-3

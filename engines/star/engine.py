@@ -108,6 +108,7 @@ class StarEngine(Engine):
         p0, p1 = layout.span(self.rank)
         a = layout.anchor
         cache = self._rank_cache(layout, reserve)
+        cache.compile_windows = self.windows_compiled(ids.numel())
         sync = AnchorSync(a) if self.world > 1 else None
         mine = layout.owners[self.rank]
         hi = layout.bounds[mine[0]][1]
@@ -201,6 +202,7 @@ class StarEngine(Engine):
         size = max(layout.bounds[j][1] - layout.bounds[j][0] for j in blocks)
         scratch = StarCache(self.model.config, a + size, kv_start=0, n_context=0, shift=0, world=1,
                             keeps_queries=True)
+        scratch.compile_windows = cache.compile_windows
         for home, layer in zip(cache.layers, scratch.layers):
             layer.lazy_initialization(home.keys, home.values)
             layer.keys[:, :, :a].copy_(home.keys[:, :, :a])
