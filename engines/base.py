@@ -178,10 +178,10 @@ class Engine(ABC):
         are read back onto the engine's device, except those named `host.*`, which stay in host memory; the
         tensors must not change when later questions are answered (copy what answers overwrite)."""
         n = state.n_tokens
-        tensors = {"last_logits": state.last_logits}
+        tensors = {}
         for i, layer in enumerate(state.cache.layers):
             tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"] = layer.keys[:, :, :n], layer.values[:, :, :n]
-        return tensors, {"n_tokens": n, "prefill_s": state.prefill_s, "counters": state.counters}
+        return self._with_document(state, tensors, {})
 
     @torch.inference_mode()
     def import_state(self, tensors: dict, meta: dict, reserve: int) -> DocumentState:
@@ -193,8 +193,18 @@ class Engine(ABC):
             values = tensors[f"layers.{i}.values"].to(keys.device)
             layer.lazy_initialization(keys, values)
             layer.keys[:, :, :n], layer.values[:, :, :n] = keys, values
-        cache.filled = n
-        cache.compile_windows = self.windows_compiled(n)
+        return self._state_from(cache, tensors, meta)
+
+    @staticmethod
+    def _with_document(state: DocumentState, tensors: dict, meta: dict) -> tuple[dict, dict]:
+        """What every saved state holds besides the engine's own: the last logits and the document's scalars."""
+        return ({**tensors, "last_logits": state.last_logits},
+                {**meta, "n_tokens": state.n_tokens, "prefill_s": state.prefill_s, "counters": state.counters})
+
+    def _state_from(self, cache, tensors: dict, meta: dict) -> DocumentState:
+        """The state around a cache filled from a saved state (`_with_document`'s part)."""
+        n = meta["n_tokens"]
+        cache.filled, cache.compile_windows = n, self.windows_compiled(n)
         return self.State(cache, n, n, tensors["last_logits"].to(self.device), meta.get("prefill_s", 0.0),
                           counters=dict(meta.get("counters", {})))
 

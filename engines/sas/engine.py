@@ -132,19 +132,14 @@ class SasEngine(Engine):
         return {"plan_capacity": plan_capacity(n_tokens, reserve)}
 
     def export_state(self, state: DocumentState) -> tuple[dict, dict]:
-        tensors, meta = document_state.export(state.cache)
-        tensors["last_logits"] = state.last_logits
-        return tensors, {**meta, "n_tokens": state.n_tokens, "prefill_s": state.prefill_s,
-                         "counters": state.counters}
+        return self._with_document(state, *document_state.export(state.cache))
 
     def import_state(self, tensors: dict, meta: dict, reserve: int) -> DocumentState:
         n = meta["n_tokens"]
         document_state.adopt_plans(set(self.layer_patterns()), tensors, meta)
         cache = self.make_cache(n + reserve, reserve)
         document_state.load(cache, tensors, self.layer_device)
-        cache.filled = n
-        return self.State(cache, n, n, tensors["last_logits"].to(self.device), meta.get("prefill_s", 0.0),
-                          counters=dict(meta.get("counters", {})))
+        return self._state_from(cache, tensors, meta)
 
     @classmethod
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None, *, chunk_size: int,

@@ -169,13 +169,12 @@ class StarEngine(Engine):
         """This rank's blocks (the anchor's K/V are not needed after phase 2 began) and the last logits."""
         cache = state.cache
         lo, hi = cache.kv_start, cache.kv_start + cache.n_context
-        tensors = {"last_logits": state.last_logits}
+        tensors = {}
         for i, layer in enumerate(cache.layers):
             tensors[f"layers.{i}.keys"] = layer.keys[:, :, lo:hi]
             tensors[f"layers.{i}.values"] = layer.values[:, :, lo:hi]
         tally = asdict(state.tally) | {"phase2_s": 0.0, "phase2_bytes_received": 0}
-        return tensors, {"n_tokens": state.n_tokens, "prefill_s": state.prefill_s, "counters": state.counters,
-                         "tally": tally}
+        return self._with_document(state, tensors, {"tally": tally})
 
     @torch.inference_mode()
     def import_state(self, tensors: dict, meta: dict, reserve: int) -> StarState:
