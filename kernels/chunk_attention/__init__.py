@@ -68,8 +68,8 @@ def _windowed_uncompiled(q, k_cache, v_cache, offset, *, scale, window=None):
         return chunk_attention_reference(q, k_cache, v_cache, offset, scale=scale, window=window)
 
 
-# FlexAttention compiles per shape (2.4-17.5 s a shape measured on an H100) but then runs windowed chunks several
-# times faster than SDPA with a mask (0.14 against 0.97 ms for a Gemma 3 270M chunk of 2,048, 0.37 against 11 ms
+# FlexAttention compiles per shape (2.2-15.6 s a shape measured on an H100) but then runs windowed chunks several
+# times faster than SDPA with a mask (0.14 against 0.97 ms for a Gemma 3 270M chunk of 2,048, 0.36 against 11 ms
 # for 32 heads, window 4,096). Compiling pays for a document whose windowed attention is this many FLOPs or more.
 COMPILE_PAYS_FLOPS = 20e12
 
