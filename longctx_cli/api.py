@@ -42,11 +42,11 @@ class Longctx:
                  state: str = "auto", layout: str = "auto", encoding_errors: str = "strict"):
         """settings: profile keys, as `--set` takes them (e.g. {"chunk_size": 4096, "max_new_tokens": 32});
         state: saved document states, auto | off | read | write."""
-        from longctx_cli.home import check_home
+        from longctx_cli.home import check_home, keep_compile_caches
         from longctx_cli.models import check_model_spec
         from longctx_cli.profiles import resolve_profile
 
-        check_home()
+        keep_compile_caches(check_home())
         check_model_spec(model)
         self.opts = AskOptions([], [], resolve_profile(profile, dict(settings or {})), model=model, json=True,
                                encoding_errors=encoding_errors, layout=layout, quiet=True, state=state)

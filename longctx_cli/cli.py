@@ -93,7 +93,7 @@ def ask(
     """Answer each question about each document (or about all of them with --concat)."""
     from longctx_cli import distributed
     from longctx_cli.ask import AskOptions, check_ask, run_ask
-    from longctx_cli.home import check_home
+    from longctx_cli.home import check_home, keep_compile_caches
     from longctx_cli.models import check_model_spec
     paths, asked = _questions(list(paths or []), questions, questions_file)
     if encoding_errors not in ("strict", "replace", "ignore"):
@@ -102,7 +102,7 @@ def ask(
         raise UsageError(f"--layout must be auto, chat or plain, not {clip(layout)}")
     if state not in ("auto", "off", "read", "write"):
         raise UsageError(f"--state must be auto, off, read or write, not {clip(state)}")
-    check_home()
+    keep_compile_caches(check_home())
     opts = AskOptions(paths, asked, None, model=model, glob=glob, concat=concat, json=json_out,
                       encoding_errors=encoding_errors, layout=layout, quiet=quiet, state=state)
     with CLOCK.part("checks"):
@@ -188,9 +188,9 @@ def bench(
     gpus: GpusOpt = 1,
 ):
     """Speed (synthetic contexts) or, with --tasks, accuracy of a profile's engine next to the dense baseline."""
-    from longctx_cli.home import check_home
+    from longctx_cli.home import check_home, keep_compile_caches
 
-    check_home()
+    keep_compile_caches(check_home())
     from longctx_cli import distributed
     from longctx_cli.bench import run_bench
     from longctx_cli.tasks import TASKS
@@ -239,9 +239,9 @@ def plan(
     max_new_tokens: MaxNewOpt = None,
 ):
     """Predict memory per device before loading any weights, with a verdict."""
-    from longctx_cli.home import check_home
+    from longctx_cli.home import check_home, keep_compile_caches
 
-    check_home()
+    keep_compile_caches(check_home())
     from longctx_cli.plan import run_plan
 
     prof = profile_from_flags(profile, sets, device=device, dtype=dtype, chunk_size=chunk_size,

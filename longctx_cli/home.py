@@ -46,6 +46,13 @@ def check_home() -> Path:
     return home
 
 
+def keep_compile_caches(home: Path) -> None:
+    """Compiled kernels (torch.compile's Inductor, Triton) cached under the home, so that they survive reboots
+    and /tmp cleaners and a machine compiles a shape once; variables the user set win."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home / "compile" / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(home / "compile" / "triton"))
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yields a temporary path next to `path`; once the block ends without error it replaces `path`.

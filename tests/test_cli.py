@@ -458,3 +458,18 @@ def test_usage_error_exit_2(cli):
     code, out, err = cli("ask", "--no-such-option", "x", "y")
     assert code == 2
     assert "--no-such-option" in err and "internal error" not in err
+
+
+def test_compiled_kernels_are_cached_under_the_home(tmp_path, capsys, monkeypatch):
+    """Inductor's and Triton's caches go under $LONGCTX_HOME (a shape compiles once per machine, across
+    reboots); a cache folder the user chose is kept."""
+    import os
+
+    monkeypatch.setenv("LONGCTX_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # recorded, so that it is restored after the test
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
+    code, _, err = run_cli(["plan", "--model", "random:gemma3-270m", "--tokens", "1k"], capsys, monkeypatch)
+    assert code == 0, err
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/else"
