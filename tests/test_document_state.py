@@ -108,7 +108,7 @@ def _run(capsys, monkeypatch, *args):
     return [json.loads(line) for line in out.splitlines()], err
 
 
-@pytest.mark.parametrize("profile", ["dense", "resa", "sas-pattern", "star", "ltri-stream"])
+@pytest.mark.parametrize("profile", ["dense", "sas-pattern", "ltri-stream"])
 def test_cli_three_questions_equal_three_runs_and_reuse_the_saved_state(capsys, monkeypatch, states_home,
                                                                          profile):
     asked = [arg for q in QUESTIONS for arg in ("-q", q)]

@@ -102,23 +102,23 @@ def _ranked(args: list[str], stdin: str | None = None, env: dict | None = None) 
                           env=env, timeout=600)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_ranks_over_gloo_answer_like_one_process(ranks, capsys, monkeypatch):
-    """`--gpus N --device cpu` spawns N gloo ranks; the answer equals the one-process run of the same blocks.
-    The 2-rank run reads the document from stdin (read once by the launcher, handed to every rank)."""
-    common = ["--profile", "star", "--set", "blocks=3", "--set", "min_block_size=64", "--device", "cpu", "-n", "12", "--json", "--state", "off"]
+def test_ranks_over_gloo_answer_like_one_process(capsys, monkeypatch):
+    """`--gpus 2 --device cpu` spawns 2 gloo ranks (3 blocks: two on the first rank, one on the query rank); the
+    answer equals the one-process run of the same blocks. The document comes from stdin (read once by the
+    launcher, handed to every rank)."""
+    common = ["--profile", "star", "--set", "blocks=3", "--set", "min_block_size=64", "--device", "cpu", "-n", "12",
+              "--json", "--state", "off"]
     code, out, err = run_cli(["ask", str(SAMPLE), "What was the name of the schooner?", *common], capsys,
                              monkeypatch)
     assert code == 0, err
     one = _json_answer(out)
-    doc = "-" if ranks == 2 else str(SAMPLE)
-    proc = _ranked(["ask", doc, "What was the name of the schooner?", *common, "--gpus", str(ranks)],
-                   stdin=SAMPLE.read_text() if ranks == 2 else None)
+    proc = _ranked(["ask", "-", "What was the name of the schooner?", *common, "--gpus", "2"],
+                   stdin=SAMPLE.read_text())
     assert proc.returncode == 0, proc.stderr[-3000:]
     many = _json_answer(proc.stdout)  # printed once, by the query rank
     assert many["answer_ids"] == one["answer_ids"] and many["answer"].strip()
     per_rank = many["counters"]["star_per_rank"]
-    assert [r["blocks"] for r in per_rank] == ([2, 1] if ranks == 2 else [1, 1, 1])
+    assert [r["blocks"] for r in per_rank] == [2, 1]
     assert all(r["anchor_broadcast_bytes"] > 0 and r["phase2_bytes_received"] > 0 for r in per_rank)
     assert sum(r["context_tokens"] for r in per_rank) == one["counters"]["star_per_rank"][0]["context_tokens"]
 
@@ -132,7 +132,8 @@ def test_ranks_save_and_reuse_their_own_shards(tmp_path):
     home.mkdir()
     (home / "models").symlink_to(longctx_home() / "models", target_is_directory=True)
     env = {"LONGCTX_HOME": str(home)}
-    common = ["--profile", "star", "--set", "blocks=2", "--set", "min_block_size=64", "--device", "cpu", "-n", "8", "--json", "--gpus", "2"]
+    common = ["--profile", "star", "--set", "blocks=2", "--set", "min_block_size=64", "--device", "cpu", "-n", "8",
+              "--json", "--gpus", "2"]
     questions = ["What was the name of the schooner?", "Who kept the lighthouse?"]
 
     def run(*asked: str) -> list[dict]:
@@ -154,7 +155,8 @@ def test_ranks_save_and_reuse_their_own_shards(tmp_path):
 
 
 def test_more_ranks_than_blocks_is_one_clear_error():
-    proc = _ranked(["ask", str(SAMPLE), "Who?", "--profile", "star", "--set", "blocks=2", "--set", "min_block_size=64", "--device", "cpu",
+    proc = _ranked(["ask", str(SAMPLE), "Who?", "--profile", "star", "--set", "blocks=2", "--set", "min_block_size=64",
+                    "--device", "cpu",
                     "--gpus", "3"])
     assert proc.returncode == 4, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -185,7 +187,8 @@ def test_gpu_one_block_equals_dense_and_graph_equals_eager():
     dense, _ = greedy_answer(make_engine(lm, "dense"), doc, question, 24)
     one, _ = greedy_answer(make_engine(lm, "star", blocks=1), doc, question, 24)
     assert one == dense
-    outs = {graph: greedy_answer(make_engine(lm, "star", decode_graph=graph, min_block_size=1000), doc, question, 24)[0] for graph in (True, False)}
+    outs = {graph: greedy_answer(make_engine(lm, "star", decode_graph=graph, min_block_size=1000), doc, question,
+                                 24)[0] for graph in (True, False)}
     assert outs[True] == outs[False]
 
 
@@ -211,7 +214,8 @@ def test_two_gpu_ranks_answer_like_one_process(tmp_path):
     """NCCL ranks (a tiny fp32 random Llama, so that rounding cannot flip a token): the same answer as one
     process, through the captured decode graph with an all-gather in every layer."""
     model = _tiny_model_folder(tmp_path / "tiny")
-    common = ["--model", str(model), "--dtype", "float32", "-p", "star", "--set", "blocks=4", "--set", "min_block_size=64", "-n", "24",
+    common = ["--model", str(model), "--dtype", "float32", "-p", "star", "--set", "blocks=4", "--set",
+              "min_block_size=64", "-n", "24",
               "--layout", "plain", "--json"]
     one = _ranked(["ask", str(SAMPLE), "What was the name of the schooner?", *common])
     two = _ranked(["ask", str(SAMPLE), "What was the name of the schooner?", *common, "--gpus", "2"])
