@@ -123,6 +123,7 @@ def launch(args: list[str], n: int, device: str) -> int:
     one-line error in a folder of this launch (`record_error`); a rank other than the query rank that failed
     first has its line printed here.
     """
+    import dataclasses
     import logging
     import uuid
 
@@ -145,8 +146,10 @@ def launch(args: list[str], n: int, device: str) -> int:
         stdin_file.write(sys.stdin.buffer.read())
         stdin_file.close()
         os.environ["LONGCTX_STDIN_FILE"] = stdin_file.name
+    # Ranks stopped after a failure get 10 s to leave before SIGKILL (torch >= 2.12 takes it as a setting).
+    later = {"shutdown_timeout": 10} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05, shutdown_timeout=10)
+                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05, **later)
     with tempfile.TemporaryDirectory(prefix="longctx-ranks-") as errors:
         os.environ["LONGCTX_RANK_ERRORS"] = errors
         try:
