@@ -146,8 +146,8 @@ def launch(args: list[str], n: int, device: str) -> int:
         stdin_file.write(sys.stdin.buffer.read())
         stdin_file.close()
         os.environ["LONGCTX_STDIN_FILE"] = stdin_file.name
-    # Ranks stopped after a failure get 10 s to leave before SIGKILL where torch takes it as a setting (2.13 does,
-    # 2.11 does not: its default, 30 s, applies).
+    # Ranks stopped after a failure get 10 s to leave before SIGKILL where torch takes it as a setting (2.13 does;
+    # 2.11 does not and keeps its own).
     later = {"shutdown_timeout": 10} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05, **later)
