@@ -137,7 +137,7 @@ def launch(args: list[str], n: int, device: str) -> int:
     gpus = torch.cuda.device_count()
     if device != "cpu" and gpus and n > gpus:
         raise ConfigError(f"--gpus {n}: only {gpus} GPU(s) here")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures: one line, ours
     os.environ.update(LONGCTX_COMMAND=" ".join(["longctx", *sys.argv[1:]]),
                       OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // n)))
     stdin_file = None
