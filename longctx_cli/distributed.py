@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from longctx_cli.errors import ConfigError
+from longctx_cli.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, ConfigError
 
 
 def in_world() -> bool:
@@ -160,7 +160,7 @@ def launch(args: list[str], n: int, device: str) -> int:
             return _first_failure(errors, {r: f.exitcode for r, f in exc.failures.items()}, n)
         except SignalException as exc:
             # Ctrl-C or SIGTERM reached the agent; it passed the signal on and the ranks flushed and left.
-            return 143 if exc.sigval == signal.SIGTERM else 130
+            return EXIT_TERMINATED if exc.sigval == signal.SIGTERM else EXIT_INTERRUPTED
         finally:
             if stdin_file is not None:
                 os.unlink(stdin_file.name)

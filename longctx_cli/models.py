@@ -130,7 +130,7 @@ def resolve_model_dir(spec: str | None, progress=lambda msg: None) -> Path | Non
 def check_model_spec(spec: str | None) -> None:
     """Everything about --model that can be refused without loading or converting anything (exit 5)."""
     if (model := named(spec)) is not None:
-        model.check_installed()
+        model.check_usable()
         return
     if spec.startswith("random:"):
         if spec[7:] not in RANDOM_PRESETS:

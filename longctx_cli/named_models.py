@@ -45,6 +45,13 @@ class NamedModel:
         if not self.installed():
             raise ModelError(f"model {self.name} is not installed: {self.install}")
 
+    def check_usable(self) -> None:
+        """Exit 5 unless the model is converted already or its packages are there to convert it from."""
+        from longctx_cli.gguf_convert import check_converted
+
+        if not self.installed() and check_converted(model_dir(self)) is not None:
+            self.check_installed()
+
     def assemble(self, gguf: Path) -> None:
         """Write the GGUF to `gguf` from the packages' parts, checked against its sha256."""
         self.check_installed()

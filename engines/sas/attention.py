@@ -6,19 +6,18 @@ admission. FlexAttention's prefill path is engines/sas/flex.py.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engines.explicit import score_slices
 from engines.sas.analyzer import CachePlan
 from engines.sas.cache import SasCache, SasLayer
 from engines.sas.codegen import triton_visible
 from engines.sas.pattern import Pattern
+from kernels.chunk_attention import sdpa_without_plans
 from kernels.decode_attention import PositionMask, PositionRule, decode_attention, decode_backend
 
 
@@ -83,7 +82,7 @@ def prefill_reference(layer, query, key, value, scaling, offset):
         mask = mask & _refresh_selection(layer, width)[:, :, None]
     k, v = key[:, :, :width], value[:, :, :width]
     if layer.dynamic is None:
-        with _without_cudnn(query):
+        with sdpa_without_plans(query.device):
             out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
         return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
     out = torch.empty_like(query)
@@ -94,14 +93,6 @@ def prefill_reference(layer, query, key, value, scaling, offset):
         gained += _reduce_heads(p, layer.dynamic.reduce).sum(dim=-2)
     _gain(layer, gained, T)
     return out
-
-
-def _without_cudnn(query):
-    """SDPA without its cuDNN backend: cuDNN builds an execution plan per new shape (over a second on an H100),
-    and every question has a length of its own; the memory-efficient kernel takes any mask without a plan."""
-    if not query.is_cuda:
-        return contextlib.nullcontext()
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _gain(layer: SasLayer, gained: torch.Tensor, n_staged: int) -> None:

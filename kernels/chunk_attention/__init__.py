@@ -8,6 +8,7 @@ the full static buffer; elsewhere the SDPA reference with an explicit mask runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -17,7 +18,8 @@ from kernels.chunk_attention.reference import chunk_attention as chunk_attention
 from kernels.chunk_attention.cudnn import chunk_attention_cudnn
 from kernels.decode_attention import decode_attention
 
-__all__ = ["chunk_attention", "chunk_attention_backend", "chunk_attention_reference", "windowed_compile_pays"]
+__all__ = ["chunk_attention", "chunk_attention_backend", "chunk_attention_reference", "sdpa_without_plans",
+           "windowed_compile_pays"]
 
 
 @functools.cache
@@ -61,10 +63,18 @@ def _pick_long(device: torch.device, window: int | None, head_dim: int):
     return _flex_impl() or chunk_attention_reference
 
 
+def sdpa_without_plans(device: torch.device):
+    """A context for masked SDPA calls of ever-new shapes (a question's length, a short document's windowed
+    layers): on CUDA the memory-efficient kernel, which needs no per-shape plan, where SDPA would pick cuDNN (a
+    plan per shape, over a second each on an H100); elsewhere SDPA's own choice."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def _windowed_uncompiled(q, k_cache, v_cache, offset, *, scale, window=None):
-    """Windowed layers without FlexAttention: SDPA with the band mask over the window's slice, on a kernel that
-    needs no compilation or plan for a new shape (cuDNN builds a plan per shape, seconds each)."""
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+    """Windowed layers without FlexAttention: SDPA with the band mask over the window's slice, no compilation."""
+    with sdpa_without_plans(q.device):
         return chunk_attention_reference(q, k_cache, v_cache, offset, scale=scale, window=window)
 
 
