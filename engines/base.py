@@ -42,6 +42,7 @@ from transformers.modeling_utils import AttentionInterface
 from engines.cache import StaticKVCache, head_dim, kv_token_bytes, layer_types
 from engines.decode_blocks import DecodeBlocks
 from engines.decoding import DecodeStep, Sampler
+from engines.positions import Positions, reassigns, rotary_module
 from kernels.chunk_attention import chunk_attention, windowed_compile_pays
 from kernels.decode_attention import decode_attention
 
@@ -75,6 +76,10 @@ def exact_attention(query, key, value, scaling, sliding_window, cache):
 
 class EngineInputError(ValueError):
     """A document this engine's configuration cannot take (e.g. star: more ranks than blocks); one line."""
+
+
+class DocumentTooLong(EngineInputError):
+    """A document longer than this engine can take on this model (the CLI's exit 6)."""
 
 
 def _inside_engine(attention):
@@ -145,6 +150,12 @@ class Engine(ABC):
         window = getattr(model_config.get_text_config(decoder=True), "sliding_window", None) or n_tokens
         return kv_token_bytes(model_config, dtype_bytes) * sum(
             min(window, n_tokens) if t == "sliding_attention" else n_tokens for t in layer_types(model_config))
+
+    @classmethod
+    def largest_position(cls, model_config, engine_config, n_tokens: int, *, chunk_size: int, reserve: int) -> int:
+        """The largest position the model is given for n_tokens when positions are re-assigned (engines that
+        read past the model's context); by default the document's own."""
+        return n_tokens - 1
 
     @classmethod
     def check(cls, model_config, engine_config, run, n_tokens: int | None = None, reserve: int = 0) -> None:
@@ -225,6 +236,19 @@ class Engine(ABC):
         except (AttributeError, IndexError, StopIteration):
             return self.device
 
+    def positions_for(self, capacity: int):
+        """engines/positions.py Positions for a document of `capacity` tokens (question and answer included) when
+        this engine re-assigns its positions (config `positions`), else None."""
+        mode = getattr(self.config, "positions", "document")
+        limit = int(getattr(self.text_config, "max_position_embeddings", 0) or 0)
+        if not reassigns(mode, capacity, limit):
+            return None
+        rotary = rotary_module(self.model)
+        if rotary is None:
+            raise EngineInputError(f"{self.name}: positions cannot be re-assigned on this model (no rotary "
+                                   "embedding of the rotate-half form); use positions: document")
+        return Positions(rotary, limit)
+
     def make_cache(self, capacity: int, reserve: int) -> StaticKVCache:
         """The cache for a document of capacity - reserve tokens and reserve more (the question, the answer)."""
         return StaticKVCache(self.model.config, capacity)
@@ -235,7 +259,7 @@ class Engine(ABC):
 
     def _forward(self, cache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """ids, positions: [1, T] -> logits of the last position [1, 1, V]."""
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+        out = self.model(input_ids=ids, position_ids=cache.model_positions(positions), past_key_values=cache, use_cache=True,
                          logits_to_keep=1, longctx=cache)
         return out.logits
 
@@ -299,6 +323,8 @@ class Engine(ABC):
             self._after_step(state, token)
             state.position += 1
             token = int(step.token.item())
+            if state.cache.positions is not None:
+                state.cache.positions.note(state.position - 1)
 
     @torch.inference_mode()
     def teacher_forced_nll(self, state: DocumentState, question_ids: torch.Tensor, targets: list[int]) -> list[float]:
@@ -353,7 +379,8 @@ class Engine(ABC):
         return {"kv_cache_bytes": state.cache.nbytes(), "kv_capacity_tokens": state.cache.capacity,
                 "decode_cuda_graph": graph, "decode_compiled_blocks": blocks is not None and blocks.compiled,
                 "decode_fused_projections": "+".join(sorted(blocks.fused)) if blocks and blocks.fused else "none",
-                **self.backends(), **state.counters}
+                **self.backends(), **state.counters,
+                **(state.cache.positions.counters() if state.cache.positions is not None else {})}
 
 
 def synchronize(device: torch.device) -> None:

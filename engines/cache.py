@@ -129,6 +129,7 @@ class StaticKVCache(Cache):
         self.filled = 0  # host view of how many positions hold real K/V (prefill only)
         self.decoding = False
         self.compile_windows = True  # FlexAttention for windowed layers (Engine.prefill decides per document)
+        self.positions = None  # engines/positions.py Positions where RoPE positions are re-assigned
         self._position: dict[torch.device, torch.Tensor] = {}
         self._length: dict[torch.device, torch.Tensor] = {}
 
@@ -148,6 +149,12 @@ class StaticKVCache(Cache):
         if device not in table:
             table[device] = next(iter(table.values())).to(device, non_blocking=True)
         return table[device]
+
+    def model_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [1, T] in the document -> the positions the model rotates queries and keys at."""
+        if self.positions is None:
+            return positions
+        return self.positions.model_positions(positions, decoding=self.decoding)
 
     def position_on(self, device: torch.device) -> torch.Tensor:
         return self._on(self._position, device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines.validation import require
+from engines.validation import require, require_positions
 
 
 @dataclass
@@ -93,8 +93,10 @@ class SasConfig:
     """pattern: the SAS pattern text (see engines/sas/parse.py), applied on every full-attention layer."""
 
     pattern: str = "Rect(keys=0:32) + Diag(window=1024)"
+    positions: str = "auto"  # engines/validation.py POSITIONS; re-assigned positions need a bounded cache
 
     def __post_init__(self):
+        require_positions(self.positions)
         from engines.sas.analyzer import split
         from engines.sas.parse import parse_pattern
 
@@ -108,3 +110,12 @@ from engines.ltri.config import LtriConfig  # noqa: E402 - the registry below na
 
 CONFIGS = {"dense": DenseConfig, "resa": ResaConfig, "star": StarConfig, "sas-pattern": SasConfig,
            "ltri-stream": LtriConfig}
+
+# Engines that re-assign RoPE positions (engines/positions.py) and so read documents past the model's context.
+STREAMING = ("ltri-stream", "sas-pattern")
+
+
+def reads_past_context(engine: str, config) -> bool:
+    """Whether `engine` with `config` takes documents longer than the model's context (sas-pattern only with a
+    bounded cache: its check refuses the others for such a document)."""
+    return engine in STREAMING and getattr(config, "positions", "document") != "document"

@@ -104,7 +104,8 @@ class Document:
         need = layout.question_ids.numel() + run.max_new_tokens
         if self.state is None or need > self.reserve:
             self.reserve = max(need, QUESTION_ROOM + run.max_new_tokens)
-            check_length(self.ids.numel(), layout.question_ids.numel(), run, session.max_context, self.name)
+            check_length(self.ids.numel(), layout.question_ids.numel(), run, session.max_context, self.name,
+                         self.lc.opts.profile)
             check_engine(session, self.ids.numel(), self.reserve, self.name)
             self.state = read_document(session, self.ids, self.reserve, report)
             engine = session.engine

@@ -95,7 +95,8 @@ def run_ask(opts: AskOptions) -> int:
             for layout, report in zip(layouts, reports):
                 report.tokens_in = ids.numel() + layout.question_ids.numel()
                 # Refused before any weights are loaded.
-                check_length(ids.numel(), layout.question_ids.numel(), profile.run, session.max_context, name)
+                check_length(ids.numel(), layout.question_ids.numel(), profile.run, session.max_context, name,
+                             profile)
             reserve = max(layout.question_ids.numel() for layout in layouts) + profile.run.max_new_tokens
             check_engine(session, ids.numel(), reserve, name)
             state = checkpoint = None

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from engines import ENGINES
 from engines.cache import head_dim
+from engines.config import STREAMING, reads_past_context
 from longctx_cli.errors import ConfigError
 from longctx_cli.inputs import collect_documents, iter_text, tokenize_stream
 from longctx_cli.models import load_config, load_tokenizer, max_context, pick_device, pick_dtype
@@ -112,10 +113,17 @@ def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None
     for line in notes:
         err.print(line)
     verdict = 0
-    if est["max_context"] and est["capacity"] > est["max_context"]:
+    past = est["max_context"] and est["capacity"] > est["max_context"]
+    if past and reads_past_context(profile.engine, profile.engine_config):
+        top = ENGINES[profile.engine].largest_position(config, profile.engine_config, est["capacity"],
+                                                        chunk_size=profile.run.chunk_size,
+                                                        reserve=profile.run.max_new_tokens + QUESTION_TOKENS)
+        err.print(f"positions re-assigned: {est['capacity']:,} tokens exceed the model's {est['max_context']:,}; "
+                  f"{profile.engine} gives the model positions up to {top:,} (engines/positions.py)")
+    elif past:
         err.print(f"[red]too long:[/] {est['capacity']:,} tokens (document, question and answer) exceed the "
-                  f"model's {est['max_context']:,}; shorten or split the document, or lower --max-new-tokens (no "
-                  "engine reads past the model's trained context yet)")
+                  f"model's {est['max_context']:,}; shorten or split the document, lower --max-new-tokens, or use an "
+                  f"engine that reads past it: {' or '.join(STREAMING)}")
         verdict = 6
     if not est["fits"]:
         most = max_tokens(profile, config)

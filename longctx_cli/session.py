@@ -77,8 +77,14 @@ def document_ids(session: Session, docs: list[Document], layout):
     return torch.cat([layout.prefix_ids.to(ids.dtype), ids])
 
 
-def check_length(n_doc: int, n_question: int, run, max_context: int, name: str) -> None:
+def check_length(n_doc: int, n_question: int, run, max_context: int, name: str, profile=None) -> None:
+    """Refuses (exit 6) a document longer than the model's context, unless the profile's engine re-assigns
+    positions (ltri-stream, sas-pattern: engines/positions.py)."""
+    from engines.config import STREAMING, reads_past_context
+
     if not max_context or n_doc + n_question + run.max_new_tokens <= max_context:
+        return
+    if profile is not None and reads_past_context(profile.engine, profile.engine_config):
         return
     if n_question + run.max_new_tokens >= max_context:
         raise ContextTooLongError(
@@ -86,19 +92,21 @@ def check_length(n_doc: int, n_question: int, run, max_context: int, name: str) 
             f"context of {max_context:,} tokens; lower --max-new-tokens")
     raise ContextTooLongError(
         f"{name}: prompt of {n_doc + n_question:,} tokens + {run.max_new_tokens} new tokens is longer than the "
-        f"model's maximum context of {max_context:,} tokens; shorten or split the document (no engine reads past "
-        "the model's trained context yet)")
+        f"model's maximum context of {max_context:,} tokens; shorten or split the document, or use an engine that "
+        f"reads past it: {' or '.join(STREAMING)} (--profile ltri-stream)")
 
 
 def check_engine(session: Session, n_doc: int, reserve: int, name: str) -> None:
     """What the engine refuses for this model and document, found from the model's config before the weights
     load (e.g. a pattern that selects no key, a layer that does not retrieve)."""
     from engines import ENGINES
-    from engines.base import EngineInputError
+    from engines.base import DocumentTooLong, EngineInputError
 
     profile = session.opts.profile
     try:
         ENGINES[profile.engine].check(session.config, profile.engine_config, profile.run, n_doc, reserve)
+    except DocumentTooLong as exc:
+        raise ContextTooLongError(f"{name}: {exc}") from None
     except EngineInputError as exc:
         raise ConfigError(f"{name}: {exc}") from None
 

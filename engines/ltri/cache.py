@@ -75,6 +75,8 @@ class LtriLayer(OwnedRowsLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         owner = self.owner
+        if owner.positions is not None:  # kept un-rotated: `attended` rotates the rows at their positions
+            key_states = owner.positions.unrotate(key_states, self._written_at(key_states.shape[2]), self.is_sliding)
         if owner.decoding:
             pos = owner.position_on(self.device)
             row = pos - self.shift
@@ -99,6 +101,40 @@ class LtriLayer(OwnedRowsLayer):
             self.local_len += t - n_head
         self.peak_rows = max(self.peak_rows, self.valid_rows())
         return self.keys, self.values
+
+    def _written_at(self, t: int) -> torch.Tensor:
+        """[t] the positions the model rotated the keys being written at."""
+        positions, owner = self.owner.positions, self.owner
+        if owner.decoding:
+            return owner.position_on(self.device) - positions.shift_on(self.device)
+        return torch.arange(owner.offset, owner.offset + t, device=self.device) - positions.shift
+
+    def assigned(self) -> torch.Tensor:
+        """[rows] the positions the rows are attended at when positions are re-assigned: the window keeps its
+        true distances (document position - shift); the init tokens keep theirs (their rows); retrieved blocks
+        keep theirs while the document still fits in front of the window (shift 0), and afterwards sit at
+        their rows, between the init tokens and the window. Every position is below `rows`."""
+        shift = self.owner.positions.shift_on(self.device)
+        window = self.key_pos - shift
+        if not self.retrieve:
+            return window
+        rows = torch.arange(self.rows, device=self.device)
+        slots = torch.where(shift == 0, self.key_pos, rows)
+        return torch.where(rows < self.n_init, rows, torch.where(rows < self.local0, slots, window))
+
+    def attended(self, keys: torch.Tensor) -> torch.Tensor:
+        """The rows' keys as attention reads them: rotated at `assigned` where positions are re-assigned."""
+        if self.owner.positions is None:
+            return keys
+        return self.owner.positions.rotate(keys, self.assigned(), self.is_sliding)
+
+    def as_attended(self, keys: torch.Tensor, start: int) -> torch.Tensor:
+        """keys [Hkv, n, D] of window tokens from document position `start` on, as `attended` rotated them."""
+        positions = self.owner.positions
+        if positions is None:
+            return keys
+        at = torch.arange(start, start + keys.shape[1], device=keys.device) - positions.shift
+        return positions.rotate(keys[None], at, self.is_sliding)[0]
 
     def _write(self, row: int, k: torch.Tensor, v: torch.Tensor, position: int) -> None:
         n = k.shape[2]
@@ -189,5 +225,10 @@ class LtriCache(StaticKVCache):
 
     def begin_chunk(self, offset: int, n: int) -> None:
         super().begin_chunk(offset, n)
+        if self.positions is not None:
+            # The window's first row sits at position local0 once the document has passed it: the chunk lands
+            # right after the window, and no position reaches `rows`.
+            full = next(layer for layer in self.layers if layer.retrieve)
+            self.positions.set_shift(max(0, full.local_start - full.local0))
         self.chunk_votes = []
         self.indexer.flush(self)

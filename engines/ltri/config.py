@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engines.validation import require
+from engines.validation import require, require_positions
 
 
 @dataclass
@@ -52,6 +52,9 @@ class LtriConfig:
     compensate_layers: list[int] | str | None = None
     # Compensate the question's chunk too (its retrieval is the one decoding keeps).
     compensate_question: bool = False
+    # RoPE positions (engines/validation.py POSITIONS): "auto" re-assigns them within the device rows for
+    # documents longer than the model's context (InfLLM), "cache" always, "document" never.
+    positions: str = "auto"
 
     def __post_init__(self):
         for name in ("n_local", "block_size", "top_k", "repr_topk", "min_vectors", "max_vectors"):
@@ -78,6 +81,7 @@ class LtriConfig:
         require(layers is None or layers == "first" or isinstance(layers, (list, tuple))
                 and all(type(i) is int and i >= 0 for i in layers), "compensate_layers", layers,
                 "null, first or a list of layer indices (integers >= 0)")
+        require_positions(self.positions)
         require(isinstance(self.compensate_question, bool), "compensate_question", self.compensate_question,
                 "true or false")
 

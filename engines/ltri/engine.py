@@ -30,7 +30,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from engines.base import DocumentState, Engine, EngineInputError
+from engines.base import DocumentState, DocumentTooLong, Engine, EngineInputError
 from engines.cache import full_layers, kv_token_bytes
 from engines.explicit import score_slices
 from engines.ltri import state as document_state
@@ -39,6 +39,7 @@ from engines.ltri.config import LtriConfig
 from engines.ltri.heads import cached_heads
 from engines.ltri.index import Indexer
 from engines.ltri.memory import context_blocks
+from engines.positions import reassigns
 from kernels.decode_attention import decode_attention, decode_backend
 
 
@@ -182,16 +183,17 @@ class LtriEngine(Engine):
                   **kwargs):
         layer = longctx.layers[module.layer_idx]
         if longctx.decoding:
-            return _decode(layer, query, key, value, scaling, longctx), None
+            return _decode(layer, query, layer.attended(key), value, scaling, longctx), None
         offset, t = longctx.offset, query.shape[2]
         if not layer.retrieve:
-            out = _window_attention(layer, query, key, value, scaling, offset)
+            out = _window_attention(layer, query, layer.attended(key), value, scaling, offset)
             excess = layer.local_len - layer.window
             if excess > 0:
                 layer.take_oldest(excess)
             return out.transpose(1, 2), None
         indexer = longctx.indexer
-        indexer.retrieve(layer, module.layer_idx, query, key, scaling, longctx)
+        indexer.retrieve(layer, module.layer_idx, query, layer.attended(key), scaling, longctx)
+        key = layer.attended(key)  # after the retrieval slots were filled
         n_own = min(t, layer.local_len)
         cfg = indexer.cfg
         exact = cfg.compensates(module.layer_idx) and (cfg.compensate_question or not longctx.question)
@@ -202,7 +204,9 @@ class LtriEngine(Engine):
 
     def make_cache(self, capacity: int, reserve: int) -> LtriCache:
         specs = layer_specs(self.model.config, self.config, _room(self.run.chunk_size, reserve))
-        return LtriCache(self.model.config, capacity, specs, self.indexer)
+        cache = LtriCache(self.model.config, capacity, specs, self.indexer)
+        cache.positions = self.positions_for(capacity)
+        return cache
 
     @classmethod
     def check(cls, model_config, engine_config, run, n_tokens: int | None = None, reserve: int = 0) -> None:
@@ -214,9 +218,20 @@ class LtriEngine(Engine):
         if run.chunk_size % engine_config.block_size:
             raise EngineInputError(f"chunk_size {run.chunk_size} is not a multiple of block_size "
                                    f"{engine_config.block_size}")
+        limit = int(getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", 0) or 0)
+        if n_tokens is None or not reassigns(engine_config.positions, n_tokens + reserve, limit):
+            return
+        if engine_config.compensate != "none":
+            raise EngineInputError("ltri-stream: compensate attends stored blocks at their document positions; "
+                                   "set compensate: none for documents past the model's context")
+        top = cls.largest_position(model_config, engine_config, n_tokens + reserve, chunk_size=run.chunk_size,
+                                   reserve=reserve)
+        if limit and top >= limit:
+            raise DocumentTooLong(f"ltri-stream keeps {top + 1:,} rows per layer, more positions than the model's "
+                                  f"context of {limit:,}; lower n_local, top_k or chunk_size")
 
     def prefill(self, ids, *, reserve, progress=None) -> DocumentState:
-        self.check(self.model.config, self.config, self.run)
+        self.check(self.model.config, self.config, self.run, ids.numel(), reserve)
         self._check_host_memory(ids.numel() + reserve)
         state = super().prefill(ids, reserve=reserve, progress=progress)
         self.indexer.flush(state.cache)  # the last chunk's blocks, so that the counters are complete
@@ -281,6 +296,12 @@ class LtriEngine(Engine):
         per_row = kv_token_bytes(model_config, dtype_bytes) + _ROW_BYTES
         rows = sum(LtriLayer.rows_for(**spec) for spec in layer_specs(model_config, cfg, _room(chunk_size, reserve)))
         return rows * per_row + index_plan_bytes(model_config, cfg, n_tokens, dtype_bytes)
+
+    @classmethod
+    def largest_position(cls, model_config, engine_config, n_tokens: int, *, chunk_size: int, reserve: int) -> int:
+        """Re-assigned positions stay below the device rows of a full layer (LtriLayer.assigned)."""
+        specs = layer_specs(model_config, engine_config or LtriConfig(), _room(chunk_size, reserve))
+        return max(LtriLayer.rows_for(**spec) for spec in specs if spec["retrieve"]) - 1
 
     @classmethod
     def plan_notes(cls, model_config, n_tokens: int, engine_config=None) -> list[str]:

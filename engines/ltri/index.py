@@ -101,8 +101,10 @@ class Indexer:
         first = layer.first_full_block()
         if any(q[0] is layer and q[2] < first + n for q in cache.span_queue):
             self.flush(cache)  # a chunk longer than the window evicts blocks it completed itself
+        start = layer.local_start
         keys, values, votes = layer.take_oldest(n * layer.block)
         cache.stats["device_to_host_bytes"] += layer.memory.add(keys, values)
+        keys = layer.as_attended(keys, start)  # index vectors are matched against the chunk's queries
         if self.cfg.index == "dynamic" and self.cfg.pick == "cover":
             # Picked at the next flush, with every other layer's evicted blocks: the farthest-point steps are
             # small, and one batch per chunk instead of one per layer keeps long prefills from waiting on launches.

@@ -17,6 +17,8 @@ import torch
 
 from engines.ltri.cache import LtriCache, LtriLayer
 from engines.ltri.spans import Span
+from engines.positions import scalars as position_scalars
+from engines.positions import set_scalars as set_position_scalars
 
 _MEMORY = ("keys", "values", "scales")
 _INDEX = ("vectors", "block", "offset")
@@ -42,11 +44,13 @@ def _set_scalars(layer: LtriLayer, values: dict) -> None:
 
 def _cache_scalars(cache: LtriCache) -> dict:
     return {"filled": cache.filled, "lams": dict(cache.lams), "lam_samples": copy.deepcopy(cache.lam_samples),
-            "stats": dict(cache.stats)}
+            "stats": dict(cache.stats),
+            "positions": position_scalars(cache)}
 
 
 def _set_cache_scalars(cache: LtriCache, values: dict) -> None:
     cache.filled, cache.stats = values["filled"], dict(values["stats"])
+    set_position_scalars(cache, values["positions"])
     cache.lams = {int(k): v for k, v in values["lams"].items()}
     cache.lam_samples = {int(k): [tuple(x) for x in v] for k, v in values["lam_samples"].items()}
 

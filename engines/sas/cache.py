@@ -76,6 +76,8 @@ class SasLayer(OwnedRowsLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         owner = self.owner
+        if owner.positions is not None:  # kept un-rotated: `attended` rotates the rows at their positions
+            key_states = owner.positions.unrotate(key_states, self._written_at(key_states.shape[2]), self.is_sliding)
         if owner.decoding:
             pos = owner.position_on(self.device)  # [1]
             slot = self.slot_of[pos]
@@ -97,6 +99,28 @@ class SasLayer(OwnedRowsLayer):
             if self.dynamic is not None:
                 self.score[:, :, self.staging:] = 0.0
         return self.keys, self.values
+
+    def _written_at(self, t: int) -> torch.Tensor:
+        """[t] the positions the model rotated the keys being written at."""
+        positions, owner = self.owner.positions, self.owner
+        if owner.decoding:
+            return owner.position_on(self.device) - positions.shift_on(self.device)
+        return torch.arange(owner.offset, owner.offset + t, device=self.device) - positions.shift
+
+    def assigned(self) -> torch.Tensor:
+        """[B, Hkv, rows] the positions the rows are attended at when positions are re-assigned: a key within the
+        cache's reach of the chunk keeps its true distance (document position - shift), the document's first
+        `lead` tokens (sinks the pattern keeps for good) keep their positions, and any other older key (H2O
+        pool, strided columns) sits at `lead`, in front of the recent ones."""
+        lead = self.owner.lead
+        recent = self.key_pos - self.owner.positions.shift_on(self.device)
+        return torch.where(recent >= lead, recent, torch.where(self.key_pos < lead, self.key_pos, lead))
+
+    def attended(self, keys: torch.Tensor) -> torch.Tensor:
+        """The rows' keys as attention reads them: rotated at `assigned` where positions are re-assigned."""
+        if self.owner.positions is None:
+            return keys
+        return self.owner.positions.rotate(keys, self.assigned(), self.is_sliding)
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """Everything a row holds: K, V, its key position and (H2O) its score."""
@@ -144,3 +168,23 @@ class SasCache(StaticKVCache):
         self.block_masks: dict = {}  # FlexAttention block masks of the chunk in flight (engines/sas/flex.py)
         self.kernel_dir: Path | None = None  # where generated decode-mask kernels go (engines/sas/codegen.py)
         self.analysis_s = 0.0  # the analyzer's time for this cache's plans
+        # Re-assigned positions (engines/positions.py): a chunk's queries sit at most `reach` (the rows before
+        # staging) past the shift; the first `lead` tokens are kept by every full layer's plan to the end.
+        self.reach = max(layer.staging for layer in layers)
+        self.lead = min(_lead(layer.plan, capacity) for layer, s in zip(layers, sliding) if not s) \
+            if not all(sliding) else 0
+
+    def begin_chunk(self, offset: int, n: int) -> None:
+        super().begin_chunk(offset, n)
+        if self.positions is not None:
+            self.positions.set_shift(max(0, offset - self.reach))
+
+    def largest_position(self, room: int) -> int:
+        """The largest position a chunk of `room` tokens (or a question and its answer) is given."""
+        return self.reach + room - 1
+
+
+def _lead(plan: CachePlan, n: int) -> int:
+    """How many of the document's first tokens the plan keeps until the end of a sequence of n tokens."""
+    kept = plan.last >= n - 1
+    return int(kept.int().cumprod(0).sum())

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import time
 
-from engines.base import DocumentState, Engine, EngineInputError
+from engines.base import DocumentState, DocumentTooLong, Engine, EngineInputError
 from engines.cache import kv_token_bytes, layer_types
 from engines.config import SasConfig
+from engines.positions import reassigns, scalars, set_scalars
 from engines.sas import state as document_state
 from engines.sas.analyzer import describe_index, plan_cache
 from engines.sas.attention import admit, decode, prefill_reference
@@ -74,6 +75,7 @@ class SasEngine(Engine):
     def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
                   **kwargs):
         layer = longctx.layers[module.layer_idx]
+        key = layer.attended(key)
         if longctx.decoding:
             return decode(layer, query, key, value, scaling, longctx), None
         offset, t = longctx.offset, query.shape[2]
@@ -101,6 +103,15 @@ class SasEngine(Engine):
         if plan.slots == 0:
             raise EngineInputError(f"pattern {engine_config.pattern!r} gives no query any key in a document of "
                                    f"{n_tokens:,} tokens (every attention output would be zero); widen it")
+        limit = int(getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", 0) or 0)
+        if reassigns(engine_config.positions, n_tokens + reserve, limit):
+            top = cls.largest_position(model_config, engine_config, n_tokens + reserve, chunk_size=run.chunk_size,
+                                       reserve=reserve)
+            if limit and top >= limit:
+                raise DocumentTooLong(
+                    f"sas-pattern: pattern {engine_config.pattern!r} keeps too many keys of a {n_tokens:,}-token "
+                    f"document to re-assign positions within the model's context of {limit:,} (up to {top:,}); use "
+                    "a pattern with a bounded cache (e.g. --profile sas-pattern) or ltri-stream")
 
     def make_cache(self, capacity: int, reserve: int) -> SasCache:
         start = time.perf_counter()
@@ -108,6 +119,7 @@ class SasEngine(Engine):
         capacity = plan_capacity(capacity - reserve, reserve)
         plans = [plan_cache(p, capacity) for p in self.layer_patterns()]
         cache = SasCache(self.model.config, plans, capacity, _staging_rows(self.run.chunk_size, capacity))
+        cache.positions = self.positions_for(capacity)
         cache.analysis_s = time.perf_counter() - start
         cache.kernel_dir = None if self.home is None else self.home / "sas_kernels"
         return cache
@@ -120,12 +132,13 @@ class SasEngine(Engine):
     reusable = True
 
     def checkpoint(self, state: DocumentState) -> tuple:
-        """The rows the question and the answer may overwrite (engines/sas/state.py)."""
-        return state.position, document_state.checkpoint(state.cache, state.position)
+        """The rows the question and the answer may overwrite (engines/sas/state.py) and the position shift."""
+        return state.position, document_state.checkpoint(state.cache, state.position), scalars(state.cache)
 
     def restore(self, state: DocumentState, checkpoint) -> None:
-        state.position, kept = checkpoint
+        state.position, kept, shift = checkpoint
         document_state.restore(state.cache, kept)
+        set_scalars(state.cache, shift)
 
     def state_inputs(self, n_tokens: int, reserve: int) -> dict:
         """The plans (so the slots of every key) depend on the length they were made for."""
@@ -138,7 +151,7 @@ class SasEngine(Engine):
         n = meta["n_tokens"]
         document_state.adopt_plans(set(self.layer_patterns()), tensors, meta)
         cache = self.make_cache(n + reserve, reserve)
-        document_state.load(cache, tensors, self.layer_device)
+        document_state.load(cache, tensors, meta, self.layer_device)
         return self._state_from(cache, tensors, meta)
 
     @classmethod
@@ -152,6 +165,14 @@ class SasEngine(Engine):
         staging = _staging_rows(chunk_size, n_tokens) + 1
         return sum((cache_slots(p, n_tokens) + staging) * (per_layer + heads * (12 if p.dynamic() else 8))
                    for p in _layer_patterns(model_config, engine_config or SasConfig()))
+
+    @classmethod
+    def largest_position(cls, model_config, engine_config, n_tokens: int, *, chunk_size: int, reserve: int) -> int:
+        """Re-assigned positions reach the rows before staging plus a chunk, or the question and its answer
+        (SasCache.largest_position)."""
+        n = plan_capacity(n_tokens - reserve, reserve)
+        reach = max(cache_slots(p, n) for p in _layer_patterns(model_config, engine_config or SasConfig()))
+        return reach + max(_staging_rows(chunk_size, n), reserve) - 1
 
     @classmethod
     def plan_notes(cls, model_config, n_tokens: int, engine_config=None) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from engines.positions import scalars, set_scalars
 from engines.sas.analyzer import adopt_plan
 from engines.sas.cache import SasCache
 
@@ -49,7 +50,7 @@ def export(cache: SasCache) -> tuple[dict, dict]:
                                         "dynamic_slots": plan.dynamic_slots, "n": plan.n}
             for name in _PLAN_TABLES:
                 tensors[f"host.plans.{j}.{name}"] = getattr(plan, name)
-    return tensors, {"plans": plans}
+    return tensors, {"plans": plans, "positions": scalars(cache)}
 
 
 def adopt_plans(patterns: set, tensors: dict, meta: dict) -> None:
@@ -63,8 +64,9 @@ def adopt_plans(patterns: set, tensors: dict, meta: dict) -> None:
 
 
 @torch.inference_mode()
-def load(cache: SasCache, tensors: dict, device_of) -> None:
-    """Fills a fresh cache (made with the same plans) from `export`'s tensors."""
+def load(cache: SasCache, tensors: dict, meta: dict, device_of) -> None:
+    """Fills a fresh cache (made with the same plans) from `export`'s output."""
+    set_scalars(cache, meta.get("positions"))
     for i, layer in enumerate(cache.layers):
         keys = tensors[f"layers.{i}.keys"].to(device_of(i))
         layer.lazy_initialization(keys, tensors[f"layers.{i}.values"])
