@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--state", default="off", help="longctx's --state: off (compute every run, as the script "
                                                      "does) or auto (the second run reads the first one's state)")
+    ap.add_argument("--fresh-home", action="store_true",
+                    help="run 1 starts from an empty $LONGCTX_HOME (its compile caches included); later runs reuse it")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -109,6 +111,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         doc = _document(parse_count(args.tokens) if args.tokens else None, model, Path(tmp))
         env = dict(os.environ)
+        if args.fresh_home:
+            # Compile caches follow the home unless these are set (longctx_cli/home.py keep_compile_caches).
+            env["LONGCTX_HOME"] = str(Path(tmp) / "home")
+            for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+                env.pop(name, None)
         for run in range(1, args.runs + 1):
             wall, out = _timed([sys.executable, "-c", HF_SCRIPT, model, str(doc), QUESTION, str(args.new_tokens),
                                 args.device, dtype, str(ROOT)], env)
@@ -126,7 +133,7 @@ def main() -> None:
                          "prefill_s": report["timings"]["prefill_s"]})
             print(rows[-1], flush=True)
     result = {**run_stamp(), "model": model, "device": args.device, "dtype": dtype, "new_tokens": args.new_tokens,
-              "state": args.state,
+              "state": args.state, "fresh_home": args.fresh_home,
               "document_tokens": rows[0]["tokens_in"], "rows": rows,
               "note": "random weights: speed only" if model.startswith("random:") else None}
     if args.out:
