@@ -55,13 +55,15 @@ def test_ltri_assignment_worked_by_hand():
     owner = SimpleNamespace(positions=_Shift(14))
     layer = LtriLayer(owner, n_init=2, n_retrieved=4, n_local=4, block=2, room=2, window=None, retrieve=True)
     assert layer.rows == 14 and layer.local0 == 6
-    layer.device = torch.device("cpu")
-    layer.key_pos = torch.tensor([0, 1, 8, 9, -1, -1, 20, 21, 22, 23, 24, 25, -1, -1])  # slot 0: block 3
-    # shift 14 = window start 20 - local0 6: the window keeps its distances at rows 6..11, the slot sits at its
-    # rows in front of it, the init tokens at theirs.
-    assert layer.assigned().tolist()[:12] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    layer.device, layer.front_at = torch.device("cpu"), torch.arange(6)
+    layer.key_pos = torch.tensor([0, 1, 12, 13, 8, 9, 20, 21, 22, 23, 24, 25, -1, -1])
+    layer.slots = [5, 3]  # slot 0 holds block 5 (positions 12, 13), slot 1 block 3 (8, 9)
+    layer.order_slots()
+    # shift 14 = window start 20 - local0 6: the window keeps its distances at positions 6..11, the retrieved
+    # blocks sit in front of it in document order (block 3, then block 5), the init tokens at their own.
+    assert layer.assigned().tolist()[:12] == [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 10, 11]
     owner.positions = _Shift(0)  # before the window passes local0: the document's own positions
-    assert layer.assigned().tolist()[:12] == [0, 1, 8, 9, -1, -1, 20, 21, 22, 23, 24, 25]
+    assert layer.assigned().tolist()[:12] == [0, 1, 12, 13, 8, 9, 20, 21, 22, 23, 24, 25]
     sliding = LtriLayer(owner, n_init=0, n_retrieved=0, n_local=4, block=2, room=0, window=4, retrieve=False)
     sliding.device, sliding.key_pos = torch.device("cpu"), torch.tensor([22, 23, 24, 25, -1, -1])
     owner.positions = _Shift(14)
@@ -175,3 +177,20 @@ def test_plan_states_the_largest_position(capsys, monkeypatch):
     assert "positions re-assigned" in err and "up to 6,911" in err  # 128 + 16 x 128 + 4096 + 128 + 512 rows
     code, out, err = run_cli(["plan", "--profile", "dense", "--tokens", "100k"], capsys, monkeypatch)
     assert code == 6 and "ltri-stream or sas-pattern" in err
+
+
+@pytest.mark.slow
+def test_the_embedded_model_past_its_own_context(lm):
+    """33K tokens, past the embedded model's own 32K context (about a minute on two cores): ltri-stream finds the
+    needle on re-assigned positions, where the document's own positions (past the context) lose it."""
+    from longctx_cli.tasks import generate, prompt_tail
+
+    tok = lm.tokenizer
+    sample = generate("niah_single_2", 33500, 1, tok, seed=3, depths=[0.4], budget=32)[0]
+    doc = torch.tensor([tok.bos_token_id] + tok(sample.document, add_special_tokens=False)["input_ids"])
+    question = torch.tensor(tok(prompt_tail(sample.question, sample.answer_prefix), add_special_tokens=False)["input_ids"])
+    assert doc.numel() > lm.model.config.get_text_config(decoder=True).max_position_embeddings
+    engine = make_engine(lm, "ltri-stream", n_init=64, block_size=64, top_k=16, n_local=1024, chunk_size=512)
+    answer, state = greedy_answer(engine, doc, question, 12)
+    assert sample.expected[0] in tok.decode(answer)
+    assert engine.counters(state)["largest_position"] < 2700  # the device rows: 64 + 1024 + 1024 + 64 + 512

@@ -58,6 +58,9 @@ class LtriLayer(OwnedRowsLayer):
         self.votes = torch.zeros(self.rows, dtype=torch.float32, device=self.device)
         self.shift = torch.zeros(1, dtype=torch.long, device=self.device)  # decode: row = position - shift
         self.rows_t = torch.full((batch,), self.rows, dtype=torch.long, device=self.device)  # decode reads all
+        # Re-assigned positions of the rows in front of the window (init, then the retrieved blocks in document
+        # order, whatever slots they sit in): see `assigned`.
+        self.front_at = torch.arange(self.local0, device=self.device)
         if self.retrieve:
             pin = self.device.type == "cuda"
             # Sized for the whole document up front (the cache knows its length): a growing pinned slab would
@@ -112,15 +115,14 @@ class LtriLayer(OwnedRowsLayer):
     def assigned(self) -> torch.Tensor:
         """[rows] the positions the rows are attended at when positions are re-assigned: the window keeps its
         true distances (document position - shift); the init tokens keep theirs (their rows); retrieved blocks
-        keep theirs while the document still fits in front of the window (shift 0), and afterwards sit at
-        their rows, between the init tokens and the window. Every position is below `rows`."""
+        keep theirs while the document still fits in front of the window (shift 0), and afterwards sit between
+        the init tokens and the window in document order (`order_slots`). Every position is below `rows`."""
         shift = self.owner.positions.shift_on(self.device)
         window = self.key_pos - shift
         if not self.retrieve:
             return window
-        rows = torch.arange(self.rows, device=self.device)
-        slots = torch.where(shift == 0, self.key_pos, rows)
-        return torch.where(rows < self.n_init, rows, torch.where(rows < self.local0, slots, window))
+        front = torch.where(shift == 0, self.key_pos[:self.local0], self.front_at)
+        return torch.cat([front, window[self.local0:]])
 
     def attended(self, keys: torch.Tensor) -> torch.Tensor:
         """The rows' keys as attention reads them: rotated at `assigned` where positions are re-assigned."""
@@ -184,7 +186,21 @@ class LtriLayer(OwnedRowsLayer):
         for s in free[len(missing):]:
             self.key_pos[self.n_init + s * self.block:self.n_init + (s + 1) * self.block] = -1
             self.slots[s] = -1
+        self.order_slots()
         return copied
+
+    def order_slots(self) -> None:
+        """`front_at` for the slots as they are: the k-th retrieved block in document order takes the k-th block
+        of positions after the init tokens (a needle cut by a block boundary reads on in order)."""
+        if self.owner.positions is None:
+            return
+        rank = {b: k for k, b in enumerate(sorted(b for b in self.slots if b >= 0))}
+        at = torch.arange(self.local0)
+        for s, b in enumerate(self.slots):
+            if b >= 0:
+                lo = self.n_init + s * self.block
+                at[lo:lo + self.block] = self.n_init + rank[b] * self.block + torch.arange(self.block)
+        self.front_at.copy_(at, non_blocking=True)
 
     def nbytes(self) -> int:
         """Device-side state: the bounded rows (K, V, positions, votes) and the index memory."""

@@ -40,6 +40,8 @@ def _set_scalars(layer: LtriLayer, values: dict) -> None:
     layer.local_len, layer.local_start = values["local_len"], values["local_start"]
     layer.slots, layer.peak_rows = list(values["slots"]), values["peak_rows"]
     layer.shift.fill_(values["shift"])
+    if layer.retrieve:
+        layer.order_slots()
 
 
 def _cache_scalars(cache: LtriCache) -> dict:

@@ -41,7 +41,9 @@ def launch_config(rows: int, head_dim: int) -> tuple[int, int, int]:
     return min(per_program, triton.next_power_of_2(rows)), MANY_ROWS["warps"], MANY_ROWS["stages"]
 
 
-@triton.jit
+# Integers that follow the document's length are not specialised on (Triton keys a compiled kernel on whether
+# each integer is 1 or a multiple of 16): a folder of documents of many lengths compiles the kernel once.
+@triton.jit(do_not_specialize=["num_splits", "stride_ks_mask", "stride_kpb", "stride_kph"])
 def _decode_attention_fwd_kernel(
     Q, K, V, Length, QFirst, KeyMask, KeyPos, QPos, Out_part, Lse_part,
     qk_scale, window, n_kv_heads, n_q_heads, num_splits, stride_ks_mask, stride_kpb, stride_kph,
@@ -128,12 +130,14 @@ def _decode_attention_fwd_kernel(
 
 
 def num_splits_for(batch: int, n_kv_heads: int, capacity: int, device: torch.device) -> int:
-    """Splits per (batch, kv head): _PROGRAMS_PER_SM programs per SM, no more splits than tiles in the buffer.
+    """Splits per (batch, kv head): _PROGRAMS_PER_SM programs per SM, no more splits than tiles in the buffer,
+    rounded down to a power of two (a few values over all lengths: the merge kernel's shapes stay few).
 
     Depends on shapes and the device only (never on `length`), so a captured graph stays valid.
     """
     target = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), batch * n_kv_heads)
-    return max(1, min(target, triton.cdiv(capacity, _BLOCK_N), _MAX_SPLITS))
+    most = max(1, min(target, triton.cdiv(capacity, _BLOCK_N), _MAX_SPLITS))
+    return 1 << (most.bit_length() - 1)
 
 
 def _validate_positions(k_cache, mask) -> None:

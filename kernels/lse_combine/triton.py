@@ -9,7 +9,10 @@ import triton.language as tl
 from kernels._triton_common import check_device, launch_context
 
 
-@triton.jit
+_SPLITS_PAD = 256
+
+
+@triton.jit(do_not_specialize=["num_splits"])
 def _lse_combine_kernel(
     Out_part, Lse_part, Out, Lse, num_splits,
     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -58,6 +61,9 @@ def combine_splits_triton(out_part: torch.Tensor, lse_part: torch.Tensor, out_dt
         # Split over D too: a row alone would walk all splits serially.
         _lse_combine_kernel[(R, D // block_d)](
             out_part, lse_part, out, lse, S,
-            HEAD_DIM=D, SPLITS_PAD=triton.next_power_of_2(S), BLOCK_S=64, BLOCK_D=block_d, num_warps=4,
+            # One padded width for every split count up to 256 (masked lanes cost nothing measurable): one
+            # compilation serves documents of every length.
+            HEAD_DIM=D, SPLITS_PAD=max(_SPLITS_PAD, triton.next_power_of_2(S)), BLOCK_S=64, BLOCK_D=block_d,
+            num_warps=4,
         )
     return out, lse
