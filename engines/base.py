@@ -23,7 +23,8 @@ Read once, ask many: an engine with `reusable = True` answers any number of ques
 between `checkpoint` (what the question and its answer may overwrite, O(question + answer)) and `restore`;
 `export_state` / `import_state` turn a state into tensors and scalars for the saved-state store and back
 (`state_inputs`: what else shapes the state, for its key; `agree`: every rank found its part). The defaults
-fit a cache the answer only appends to.
+fit a cache the answer only appends to (engines/reuse.py); the question and decode loop is engines/answering.py.
+Positions past the model's context: `positions_for` (engines/positions.py).
 `check` refuses, from the model's config alone (before weights load), what the engine cannot take.
 """
 
@@ -31,20 +32,24 @@ from __future__ import annotations
 
 import time
 from abc import ABC
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from transformers.modeling_utils import AttentionInterface
 
+from engines.answering import AnswerLoop
 from engines.cache import StaticKVCache, head_dim, kv_token_bytes, layer_types
-from engines.decode_blocks import DecodeBlocks
-from engines.decoding import DecodeStep, Sampler
 from engines.positions import Positions, reassigns, rotary_module
+from engines.reuse import Reuse
 from kernels.chunk_attention import chunk_attention, windowed_compile_pays
 from kernels.decode_attention import decode_attention
+
+if TYPE_CHECKING:
+    from engines.decode_blocks import DecodeBlocks
+    from engines.decoding import DecodeStep
 
 
 @dataclass
@@ -99,7 +104,7 @@ def _inside_engine(attention):
     return guarded
 
 
-class Engine(ABC):
+class Engine(Reuse, AnswerLoop, ABC):
     name: ClassVar[str]
     Config: ClassVar[type]
     State: ClassVar[type[DocumentState]] = DocumentState
@@ -161,63 +166,6 @@ class Engine(ABC):
     def check(cls, model_config, engine_config, run, n_tokens: int | None = None, reserve: int = 0) -> None:
         """Raise EngineInputError for what this configuration cannot take on this model (and, given n_tokens,
         for a document of n_tokens with `reserve` more): called before the weights load."""
-
-    reusable: ClassVar[bool] = False
-
-    @torch.inference_mode()
-    def checkpoint(self, state: DocumentState) -> object:
-        """What a question and its answer may overwrite, kept for `restore` (here: a cache they only append
-        to, so the position alone)."""
-        return state.position
-
-    @torch.inference_mode()
-    def restore(self, state: DocumentState, checkpoint) -> None:
-        """Back to the state `checkpoint` was taken from: the next question sees the document alone."""
-        state.position = checkpoint
-
-    def agree(self, found: bool) -> bool:
-        """Whether to use a saved state this process found (`found`): engines of several ranks ask them all."""
-        return found
-
-    def state_inputs(self, n_tokens: int, reserve: int) -> dict:
-        """What shapes the state beyond the model, the settings and the document (part of its saved key)."""
-        return {}
-
-    @torch.inference_mode()
-    def export_state(self, state: DocumentState) -> tuple[dict, dict]:
-        """(tensors, JSON-able scalars) that `import_state` rebuilds the state from: the document's K/V. Tensors
-        are read back onto the engine's device, except those named `host.*`, which stay in host memory; the
-        tensors must not change when later questions are answered (copy what answers overwrite)."""
-        n = state.n_tokens
-        tensors = {}
-        for i, layer in enumerate(state.cache.layers):
-            tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"] = layer.keys[:, :, :n], layer.values[:, :, :n]
-        return self._with_document(state, tensors, {})
-
-    @torch.inference_mode()
-    def import_state(self, tensors: dict, meta: dict, reserve: int) -> DocumentState:
-        """A state from `export_state`'s output, with room for `reserve` more tokens; tensors on any device."""
-        n = meta["n_tokens"]
-        cache = self.make_cache(n + reserve, reserve)
-        for i, layer in enumerate(cache.layers):
-            keys = tensors[f"layers.{i}.keys"].to(self.layer_device(i))
-            values = tensors[f"layers.{i}.values"].to(keys.device)
-            layer.lazy_initialization(keys, values)
-            layer.keys[:, :, :n], layer.values[:, :, :n] = keys, values
-        return self._state_from(cache, tensors, meta)
-
-    @staticmethod
-    def _with_document(state: DocumentState, tensors: dict, meta: dict) -> tuple[dict, dict]:
-        """What every saved state holds besides the engine's own: the last logits and the document's scalars."""
-        return ({**tensors, "last_logits": state.last_logits},
-                {**meta, "n_tokens": state.n_tokens, "prefill_s": state.prefill_s, "counters": state.counters})
-
-    def _state_from(self, cache, tensors: dict, meta: dict) -> DocumentState:
-        """The state around a cache filled from a saved state (`_with_document`'s part)."""
-        n = meta["n_tokens"]
-        cache.filled, cache.compile_windows = n, self.windows_compiled(n)
-        return self.State(cache, n, n, tensors["last_logits"].to(self.device), meta.get("prefill_s", 0.0),
-                          counters=dict(meta.get("counters", {})))
 
     def windows_compiled(self, n_tokens: int) -> bool:
         """Whether the windowed layers of a document of n_tokens run FlexAttention (compiled per shape) or an
@@ -302,76 +250,6 @@ class Engine(ABC):
         if state.position + n_new > state.cache.capacity:
             raise ValueError(f"KV cache of {state.cache.capacity} tokens has no room for {n_new} new tokens")
         return logits
-
-    @torch.inference_mode()
-    def answer(self, state: DocumentState, question_ids: torch.Tensor, max_new_tokens: int,
-               sampler: Sampler) -> Iterator[int]:
-        """Yields generated token ids; the caller stops early by closing the generator."""
-        logits = self._encode_question(state, question_ids, max_new_tokens)
-        if sampler.temperature > 0:
-            torch.manual_seed(sampler.seed)
-        token = int(sampler(logits).item())
-        step = self._decode_step(state, sampler) if max_new_tokens > 1 else None
-        for produced in range(max_new_tokens):
-            yield token
-            if produced + 1 == max_new_tokens:
-                break
-            if produced == 0:
-                step.start(token, state.position)
-                self._on_decode_start(state)
-            step.step()
-            self._after_step(state, token)
-            state.position += 1
-            token = int(step.token.item())
-            if state.cache.positions is not None:
-                state.cache.positions.note(state.position - 1)
-
-    @torch.inference_mode()
-    def teacher_forced_nll(self, state: DocumentState, question_ids: torch.Tensor, targets: list[int]) -> list[float]:
-        """Negative log-likelihood of each target token, fed one decode step at a time (teacher forcing).
-
-        The same path as `answer` (question through the chunk path, then the engine's decode step and hooks,
-        e.g. resa's rectification), but the fed token is the given target instead of the sampled one: how far
-        an engine's next-token distribution drifts from dense over a long generation (the ReSA paper's
-        language-modelling setup). Returns len(targets) values.
-        """
-        logits = self._encode_question(state, question_ids, len(targets))
-        nll = [-torch.log_softmax(logits.float(), dim=-1)[0, targets[0]]]
-        step = self._decode_step(state, Sampler())
-        for i, token in enumerate(targets[:-1]):
-            if i == 0:
-                step.start(token, state.position)
-                self._on_decode_start(state)
-            else:
-                step.token.fill_(token)
-            step.step()
-            self._after_step(state, token)
-            state.position += 1
-            nll.append(-torch.log_softmax(step.logits, dim=-1)[0, targets[i + 1]])
-        return torch.stack(nll).tolist()
-
-    def _on_decode_start(self, state: DocumentState) -> None:
-        """Hook: the decode step is ready and nothing has been decoded yet (capture other graphs here)."""
-
-    def _after_step(self, state: DocumentState, fed_token: int) -> None:
-        """Hook: `fed_token` went through one decode step at `state.position` (its K/V are in the cache)."""
-
-    def _decode_step(self, state: DocumentState, sampler: Sampler) -> DecodeStep:
-        if state.decode is None or state.decode.sampler != sampler:
-            use_graph = self.run.decode_graph and self.single_device and self.device.type == "cuda"
-            cache = state.cache  # not `state`: a state -> step -> state cycle would keep GiBs alive until gc
-            state.decode = DecodeStep(lambda ids, pos: self._forward(cache, ids, pos), cache, sampler,
-                                      self.device, use_graph, self._decode_blocks(use_graph, self.run.compile_decode))
-        return state.decode
-
-    def _decode_blocks(self, use_graph: bool, compile: bool) -> DecodeBlocks | None:
-        """The modules a captured step swaps in (one set per `compile`, shared by the engine's documents);
-        None where nothing is captured or nothing is asked for."""
-        if not use_graph or not (compile or self.run.fuse_projections):
-            return None
-        if compile not in self._blocks:
-            self._blocks[compile] = DecodeBlocks(self.model, fuse=self.run.fuse_projections, compile=compile)
-        return self._blocks[compile]
 
     def counters(self, state: DocumentState) -> dict:
         graph = state.decode is not None and state.decode.graph is not None
