@@ -156,6 +156,19 @@ class StaticKVCache(Cache):
             return positions
         return self.positions.model_positions(positions, decoding=self.decoding)
 
+    def kept_keys(self, key_states: torch.Tensor, sliding: bool) -> torch.Tensor:
+        """key_states [B, Hkv, T, D] being written now, as a layer keeps them: un-rotated where positions are
+        re-assigned (the rotation the model gave them undone), else as given."""
+        positions = self.positions
+        if positions is None:
+            return key_states
+        device = key_states.device
+        if self.decoding:
+            at = self.position_on(device) - positions.shift_on(device)
+        else:
+            at = torch.arange(self.offset, self.offset + key_states.shape[2], device=device) - positions.shift
+        return positions.unrotate(key_states, at, sliding)
+
     def position_on(self, device: torch.device) -> torch.Tensor:
         return self._on(self._position, device)
 

@@ -78,8 +78,7 @@ class LtriLayer(OwnedRowsLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         owner = self.owner
-        if owner.positions is not None:  # kept un-rotated: `attended` rotates the rows at their positions
-            key_states = owner.positions.unrotate(key_states, self._written_at(key_states.shape[2]), self.is_sliding)
+        key_states = owner.kept_keys(key_states, self.is_sliding)  # `attended` rotates them back
         if owner.decoding:
             pos = owner.position_on(self.device)
             row = pos - self.shift
@@ -104,13 +103,6 @@ class LtriLayer(OwnedRowsLayer):
             self.local_len += t - n_head
         self.peak_rows = max(self.peak_rows, self.valid_rows())
         return self.keys, self.values
-
-    def _written_at(self, t: int) -> torch.Tensor:
-        """[t] the positions the model rotated the keys being written at."""
-        positions, owner = self.owner.positions, self.owner
-        if owner.decoding:
-            return owner.position_on(self.device) - positions.shift_on(self.device)
-        return torch.arange(owner.offset, owner.offset + t, device=self.device) - positions.shift
 
     def assigned(self) -> torch.Tensor:
         """[rows] the positions the rows are attended at when positions are re-assigned: the window keeps its
