@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from longctx_cli.clock import CLOCK
+from longctx_cli.compiles import WATCH
 from longctx_cli.errors import ConfigError, ContextTooLongError, ModelError
 from longctx_cli.inputs import Document, iter_text, tokenize_stream
 from longctx_cli.report import Report
@@ -52,6 +53,7 @@ class Session:
             from longctx_cli.home import longctx_home
             from longctx_cli.models import load_model
 
+            WATCH.install()
             with CLOCK.part("model load"):
                 self.lm = load_model(self.opts.model, device=self.run.device, dtype=self.run.dtype,
                                      tokenizer=self.tokenizer, progress=self.say)
@@ -185,10 +187,10 @@ def answer_question(session: Session, state, layout, report: Report, out: Answer
             now = time.perf_counter()
             if i == 0:
                 report.timings.first_token_s = now - start
-                CLOCK.add("question", now - last)
+                CLOCK.add_span("question", now - last)
             else:
                 report.timings.decode_step_s.append(now - last)
-                CLOCK.add("decode", now - last)
+                CLOCK.add_span("decode", now - last)
             last = now
             report.tokens_out += 1
             report.answer_ids.append(token)
@@ -200,7 +202,7 @@ def answer_question(session: Session, state, layout, report: Report, out: Answer
         stream.close()
         report.answer = text.answer
         with CLOCK.part("report"):
-            report.counters = engine.counters(state)
+            report.counters = {**engine.counters(state), "compiled": WATCH.take()}
             report.memory = memory_snapshot(state.cache.nbytes())
         out.write(text.finish(), end=True)
 
