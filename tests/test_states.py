@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from longctx_cli.states import StateError, StateStore, state_key, tensor_checksum
+from longctx_cli.checksums import tensor_checksum
+from longctx_cli.states import StateError, StateStore, state_key
 
 INPUTS = {"engine": "dense", "model": "m", "tokens": 5, "document": "abc"}
 
@@ -126,8 +127,6 @@ def test_checksums_of_large_host_tensors_see_every_piece():
     """Host tensors past 16 MiB are checked piece by piece on several threads; a flipped byte in any piece, or a
     different length, changes the checksum."""
     import torch
-
-    from longctx_cli.states import tensor_checksum
 
     t = torch.zeros(65 << 20, dtype=torch.uint8)
     first = tensor_checksum(t)
