@@ -47,9 +47,24 @@ class PromptBuilder:
         return lambda question, prefix: self.prefix.numel() + self.tail(question, prefix).numel()
 
 
-def _run(engine, builder: PromptBuilder, sample, budget: int) -> dict:
+def _past_context(prof, engine, n_tokens: int) -> str | None:
+    """Why this engine does not run a prompt of n_tokens (with its answer): past the model's context, which only
+    the engines that re-assign positions read (engines/positions.py); None when it runs."""
+    from engines.config import reads_past_context
+
+    limit = int(getattr(engine.text_config, "max_position_embeddings", 0) or 0)
+    if not limit or n_tokens <= limit or reads_past_context(prof.engine, prof.engine_config):
+        return None
+    return f"past the model's context of {limit:,} tokens"
+
+
+def _run(prof, engine, builder: PromptBuilder, sample, budget: int) -> dict:
     doc = torch.cat([builder.prefix, _ids(builder.tokenizer, sample.document)])
     tail = builder.tail(sample.question, sample.answer_prefix)
+    skipped = _past_context(prof, engine, doc.numel() + tail.numel() + budget)
+    if skipped:
+        return {"skipped": skipped, "score": None, "prefill_s": None, "decode_ms_per_token": None,
+                "prompt_tokens": doc.numel() + tail.numel()}
     state = engine.prefill(doc, reserve=tail.numel() + budget)
     text = AnswerText(builder.tokenizer, builder.stop_strings, builder.stop_ids)
     stream = engine.answer(state, tail, budget, Sampler())
@@ -90,7 +105,7 @@ def run_accuracy(engines: list, tokenizer, *, tasks: list[str], lengths: list[in
                               "expected": sample.expected, "results": {}}
                     for prof, engine in engines:
                         bar.update(job, description=f"{task} {length:,} #{sample.index} {prof.name}")
-                        result = _run(engine, builder, sample, budget)
+                        result = _run(prof, engine, builder, sample, budget)
                         record["results"][prof.name] = result
                         per_engine[prof.name].append(result)
                         bar.advance(job)
@@ -109,13 +124,19 @@ def _row(task: str, length: int, engines: list, per_engine: dict) -> dict:
     # Without a baseline (--compare none) the dense columns stay empty, unless the engine is dense itself.
     has_dense = len(engines) > 1 or prof.engine == "dense"
     mine, dense = per_engine[prof.name], (per_engine[base.name] if has_dense else [])
-    row = {"task": task, "length": length, "engine": prof.engine, "profile": prof.name, "samples": len(mine),
+    # Engines that cannot read past the model's context skip longer samples: their columns stay empty.
+    row = {"task": task, "length": length, "engine": prof.engine, "profile": prof.name,
+           "samples": sum(r["score"] is not None for r in mine),
            "score": _mean([r["score"] for r in mine]), "dense_score": _mean([r["score"] for r in dense]),
            "prefill_s": _mean([r["prefill_s"] for r in mine]),
            "decode_ms_per_token": _mean([r["decode_ms_per_token"] for r in mine]),
            "dense_prefill_s": _mean([r["prefill_s"] for r in dense]),
            "dense_decode_ms_per_token": _mean([r["decode_ms_per_token"] for r in dense])}
     row["ratio"] = row["score"] / row["dense_score"] if row["dense_score"] else None
+    for key, results in (("skipped", mine), ("dense_skipped", dense)):
+        reasons = sorted({r["skipped"] for r in results if r.get("skipped")})
+        if reasons:
+            row[key] = "; ".join(reasons)
     return row
 
 
@@ -132,6 +153,10 @@ def render(result: dict, title: str) -> None:
     means = [r["score"] for r in result["rows"]], [r["dense_score"] for r in result["rows"]]
     table.add_row("mean", "", fmt(_mean(means[0]), ".1f"), fmt(_mean(means[1]), ".1f"), "", "", "", "", "")
     err.print(table)
+    for r in result["rows"]:
+        for key, who in (("skipped", r["profile"]), ("dense_skipped", "dense")):
+            if r.get(key):
+                err.print(f"{who} not run on {r['task']} at {r['length']:,} tokens: {r[key]}")
 
 
 def pyplot():
@@ -151,7 +176,8 @@ def pyplot():
 def plot(result: dict, path: str) -> None:
     """Accuracy-vs-length (per task, engine and dense) and decode-ms-vs-length charts in one PNG/PDF."""
     plt = pyplot()
-    rows = result["rows"]
+    # Cells an engine did not run (past the model's context) are gaps.
+    rows = [{k: float("nan") if v is None else v for k, v in r.items()} for r in result["rows"]]
     fig, (acc, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
     for task in dict.fromkeys(r["task"] for r in rows):
         mine = [r for r in rows if r["task"] == task]

@@ -194,3 +194,24 @@ def test_the_embedded_model_past_its_own_context(lm):
     answer, state = greedy_answer(engine, doc, question, 12)
     assert sample.expected[0] in tok.decode(answer)
     assert engine.counters(state)["largest_position"] < 2700  # the device rows: 64 + 1024 + 1024 + 64 + 512
+
+
+def test_bench_leaves_engines_that_cannot_read_past_the_context_out_of_longer_samples():
+    from engines.config import CONFIGS
+    from longctx_cli.accuracy import _past_context, _row
+
+    def profile(engine):
+        return SimpleNamespace(engine=engine, engine_config=CONFIGS[engine](), name=engine)
+
+    engine = SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=1000))
+    assert _past_context(profile("dense"), engine, 1000) is None
+    assert _past_context(profile("dense"), engine, 1001) == "past the model's context of 1,000 tokens"
+    assert _past_context(profile("ltri-stream"), engine, 10**6) is None
+    ran = {"score": 100.0, "prefill_s": 1.0, "decode_ms_per_token": 2.0}
+    skipped = {"skipped": "past the model's context of 1,000 tokens", "score": None, "prefill_s": None,
+               "decode_ms_per_token": None}
+    engines = [(profile("ltri-stream"), None), (profile("dense"), None)]
+    row = _row("niah_single_1", 4096, engines, {"ltri-stream": [ran, ran], "dense": [skipped, skipped]})
+    assert row["score"] == 100.0 and row["samples"] == 2
+    assert row["dense_score"] is None and row["ratio"] is None
+    assert row["dense_skipped"] == "past the model's context of 1,000 tokens" and "skipped" not in row
