@@ -244,7 +244,7 @@ def test_flush_outside_inference_mode_indexes_blocks_made_inside_it():
     from engines.ltri.cache import LtriLayer
     from engines.ltri.index import Indexer
 
-    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None)
+    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None)
     layer = LtriLayer(owner, n_init=4, n_retrieved=8, n_local=8, block=4, room=8, window=None, retrieve=True)
     with torch.inference_mode():
         layer.lazy_initialization(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3))
@@ -263,7 +263,7 @@ def test_retrieval_slots_keep_blocks_already_loaded():
 
     from engines.ltri.cache import LtriLayer
 
-    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None)
+    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None)
     layer = LtriLayer(owner, n_init=4, n_retrieved=3 * 4, n_local=8, block=4, room=8, window=None, retrieve=True)
     layer.lazy_initialization(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3))
     for b in range(5):  # five evicted blocks, block b filled with the value b
@@ -496,7 +496,8 @@ def test_exact_compensation_equals_attention_over_every_stored_key(monkeypatch):
 
     torch.manual_seed(42)
     hkv, g, d, block, t = 2, 2, 8, 4, 3
-    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, stats={"host_to_device_bytes": 0})
+    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None,
+                            stats={"host_to_device_bytes": 0})
     layer = LtriLayer(owner, n_init=4, n_retrieved=2 * block, n_local=8, block=block, room=8, window=None,
                       retrieve=True)
     layer.lazy_initialization(torch.zeros(1, hkv, 1, d), torch.zeros(1, hkv, 1, d))
