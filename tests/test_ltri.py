@@ -430,9 +430,9 @@ def test_compensation_applies_only_to_the_listed_layers(lm, story_text, monkeypa
     """compensate_layers=[5]: every attention of layers 11 and 17 equals the uncompensated one on the same
     inputs, while layer 5's differs once blocks are stored; the question's chunk of layer 5 is compensated only
     with compensate_question."""
-    import engines.ltri.engine as ltri_engine
+    import engines.ltri.attention as ltri_attention
 
-    plain = ltri_engine._softmax_attention
+    plain = ltri_attention.softmax_attention
     diffs: dict[tuple[int, bool], float] = {}
 
     def checked(layer, query, key, value, scaling, offset, n_own, exact=False):
@@ -444,7 +444,7 @@ def test_compensation_applies_only_to_the_listed_layers(lm, story_text, monkeypa
         diffs[at] = max(diffs.get(at, 0.0), float((out - want).abs().max()))
         return out, own
 
-    monkeypatch.setattr(ltri_engine, "_softmax_attention", checked)
+    monkeypatch.setattr(ltri_attention, "softmax_attention", checked)
     doc, ask = story_ids(lm, story_text, 1500)
     engine = make_engine(lm, "ltri-stream", **SMALL, compensate="exact", compensate_layers=[5],
                          compensate_question=question)
@@ -490,7 +490,7 @@ def test_exact_compensation_equals_attention_over_every_stored_key(monkeypatch):
 
     from engines import explicit
     from engines.ltri.cache import LtriLayer
-    from engines.ltri.engine import _softmax_attention
+    from engines.ltri.attention import softmax_attention
 
     monkeypatch.setattr(explicit, "QUERY_SLICE", 2)  # the 3 queries in slices of 2 and 1
 
@@ -509,13 +509,13 @@ def test_exact_compensation_equals_attention_over_every_stored_key(monkeypatch):
     layer._write(layer.local0, keys[None, :, 24:], values[None, :, 24:], 24)
     layer.load_blocks([1, 3])  # blocks 0, 2 and 4 left out: two batches
     query = torch.randn(1, hkv * g, t, d)  # the window's last t tokens
-    out, _ = _softmax_attention(layer, query, layer.keys, layer.values, 0.5, n - t, t, exact=True)
+    out, _ = softmax_attention(layer, query, layer.keys, layer.values, 0.5, n - t, t, exact=True)
     s = torch.einsum("hgtd,hnd->hgtn", query[0].view(hkv, g, t, d), keys) * 0.5
     s = s.masked_fill(torch.arange(n)[None, :] > torch.arange(n - t, n)[:, None], float("-inf"))
     want = torch.softmax(s, dim=-1) @ values[:, None]
     torch.testing.assert_close(out[0].view(hkv, g, t, d), want)
     assert owner.stats["host_to_device_bytes"] == 3 * 2 * hkv * block * d * 4  # the 3 blocks' K and V, once
-    rows_only, _ = _softmax_attention(layer, query, layer.keys, layer.values, 0.5, n - t, t, exact=False)
+    rows_only, _ = softmax_attention(layer, query, layer.keys, layer.values, 0.5, n - t, t, exact=False)
     assert (rows_only - out).abs().max() > 1e-3
 
 

@@ -10,9 +10,9 @@ indexed by the span index vectors of its semantic spans (engines/ltri/spans.py).
    index vectors (on the layer's retrieval head, or all heads averaged); with collaborative voting the
    retrieval-head layers before this one add their normalised block scores, weighted by their head scores
    (section 3.5). The top_k blocks are loaded into the retrieval slots (blocks already there stay).
-2. Attention over [init | retrieved | window | chunk], an explicit softmax: its probabilities give each
-   window key its votes (attention received, InfLLM's Eq. 6) and the chunk's own map, from which the spans
-   of every block completed in this chunk are found while it is still on the device.
+2. Attention over [init | retrieved | window | chunk] (engines/ltri/attention.py), an explicit softmax: its
+   probabilities give each window key its votes (attention received, InfLLM's Eq. 6) and the chunk's own map,
+   from which the spans of every block completed in this chunk are found while it is still on the device.
 3. Eviction: whole blocks past the window go to CPU memory; per span the top-n voted tokens become index
    vectors, n from the span's confidence (Eq. 7), lam per layer fixed or calibrated to a target compression.
 
@@ -27,12 +27,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import psutil
-import torch
-import torch.nn.functional as F
 
 from engines.base import DocumentState, DocumentTooLong, Engine, EngineInputError
 from engines.cache import full_layers, kv_token_bytes
-from engines.explicit import score_slices
+from engines.ltri import attention
 from engines.ltri import state as document_state
 from engines.ltri.cache import LtriCache, LtriLayer, layer_specs
 from engines.ltri.config import LtriConfig
@@ -40,97 +38,7 @@ from engines.ltri.heads import cached_heads
 from engines.ltri.index import Indexer
 from engines.ltri.memory import context_blocks
 from engines.positions import reassigns
-from kernels.decode_attention import decode_attention, decode_backend
-
-
-def _softmax_state(s, v):
-    """Online softmax over scores s [..., t, W] and values v [..., W, D]: (running max, mass, weighted values)."""
-    top = s.amax(-1, keepdim=True)
-    e = torch.exp(s - top)
-    return top, e.sum(-1, keepdim=True), torch.matmul(e, v)
-
-
-def _softmax_add(state, s, v):
-    """The state of _softmax_state with further keys (scores s [..., t, Wi], values v [..., Wi, D]) merged in."""
-    top, mass, acc = state
-    new = torch.maximum(top, s.amax(-1, keepdim=True))
-    old, e = torch.exp(top - new), torch.exp(s - new)
-    return new, mass * old + e.sum(-1, keepdim=True), acc * old + torch.matmul(e, v)
-
-
-def _stored_batches(layer: LtriLayer, device):
-    """compensate: exact: K and V [1, Hkv, 1, n * block, D] (fp32) of the stored blocks the rows do not hold, n
-    at most the layer's slot count per batch. The bytes loaded count in the cache's host_to_device_bytes."""
-    held = {b for b in layer.slots if b >= 0}
-    ids = [b for b in range(layer.memory.n_blocks) if b not in held]
-    per, block = max(1, layer.n_retrieved // layer.block), layer.block
-    hkv, dim = layer.keys.shape[1], layer.keys.shape[3]
-    for lo in range(0, len(ids), per):
-        batch = ids[lo:lo + per]
-        k = torch.empty(hkv, len(batch) * block, dim, dtype=layer.dtype, device=device)
-        v = torch.empty_like(k)
-        for j, b in enumerate(batch):
-            layer.owner.stats["host_to_device_bytes"] += layer.memory.load(b, k[:, j * block:(j + 1) * block],
-                                                                           v[:, j * block:(j + 1) * block])
-        yield k.float()[None, :, None], v.float()[None, :, None]
-
-
-def _softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_own: int, exact: bool = False):
-    """Explicit softmax over the layer's rows; adds each row's votes; returns out [B, Hq, T, D] and the
-    chunk's own map [n_own, n_own] (its last n_own queries on its own window rows, summed over heads).
-    exact: the output also attends the stored blocks the rows leave out (LtriConfig.compensate); the votes
-    and maps stay those of the rows."""
-    B, Hq, T, D = query.shape
-    width = layer.width
-    kp = layer.key_pos[:width]
-    v = value[:, :, :width].float()
-    own0 = width - n_own
-    out = torch.empty_like(query)
-    own = torch.zeros(n_own, n_own, dtype=torch.float32, device=query.device)
-    slices = []  # exact: per query slice (lo, t, q, online-softmax state over the rows)
-
-    def visible(lo, t):
-        return (kp >= 0) & (kp <= torch.arange(offset + lo, offset + lo + t, device=query.device)[:, None])
-
-    for lo, t, q, s in score_slices(query, key[:, :, :width], scaling, visible):
-        p = torch.softmax(s, dim=-1)
-        if exact:  # finished below, once every stored block has been merged in
-            slices.append((lo, t, q, _softmax_state(s, v[:, :, None])))
-        else:
-            out[:, :, lo:lo + t] = torch.matmul(p, v[:, :, None]).view(B, Hq, t, D).to(query.dtype)
-        heads = p.sum(dim=(0, 1, 2))  # [t, width]
-        layer.votes[:width] += heads.sum(dim=0)
-        first = max(lo, T - n_own)
-        if first < lo + t:
-            own[first - (T - n_own):lo + t - (T - n_own)] = heads[first - lo:, own0:]
-    if exact:  # each stored block is loaded once for all the query slices
-        states = [state for *_, state in slices]
-        for k_b, v_b in _stored_batches(layer, query.device):
-            states = [_softmax_add(state, torch.matmul(q, k_b.transpose(-1, -2)) * scaling, v_b)
-                      for state, (_, _, q, _) in zip(states, slices)]
-        for (lo, t, _, _), (_, mass, acc) in zip(slices, states):
-            out[:, :, lo:lo + t] = (acc / mass).view(B, Hq, t, D).to(query.dtype)
-    return out, own
-
-
-def _window_attention(layer: LtriLayer, query, key, value, scaling, offset):
-    """A sliding-window layer of the model: SDPA over its window rows, exact."""
-    width = layer.width
-    kp = layer.key_pos[:width]
-    q_pos = torch.arange(offset, offset + query.shape[2], device=query.device)[:, None]
-    mask = (kp >= 0) & (kp <= q_pos) & (q_pos - kp < layer.window)
-    return F.scaled_dot_product_attention(query, key[:, :, :width], value[:, :, :width], attn_mask=mask,
-                                          scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
-
-
-def _decode(layer: LtriLayer, query, key, value, scaling, cache: LtriCache):
-    """One token over the layer's rows: valid ones (and, on sliding layers, inside the window)."""
-    mask = layer.key_pos >= 0
-    if layer.window is not None:
-        mask = mask & (cache.position_on(query.device) - layer.key_pos < layer.window)
-    mask = mask.view(1, 1, -1).expand(key.shape[0], key.shape[1], -1).contiguous()
-    out = decode_attention(query[:, :, 0], key, value, layer.rows_t, scale=scaling, mask=mask)
-    return out.unsqueeze(1)
+from kernels.decode_attention import decode_backend
 
 
 def context_memory_bytes(model_config, cfg: LtriConfig, n_tokens: int, dtype_bytes: int) -> int:
@@ -183,10 +91,10 @@ class LtriEngine(Engine):
                   **kwargs):
         layer = longctx.layers[module.layer_idx]
         if longctx.decoding:
-            return _decode(layer, query, layer.attended(key), value, scaling, longctx), None
+            return attention.decode_rows(layer, query, layer.attended(key), value, scaling, longctx), None
         offset, t = longctx.offset, query.shape[2]
         if not layer.retrieve:
-            out = _window_attention(layer, query, layer.attended(key), value, scaling, offset)
+            out = attention.window_attention(layer, query, layer.attended(key), value, scaling, offset)
             excess = layer.local_len - layer.window
             if excess > 0:
                 layer.take_oldest(excess)
@@ -197,7 +105,7 @@ class LtriEngine(Engine):
         n_own = min(t, layer.local_len)
         cfg = indexer.cfg
         exact = cfg.compensates(module.layer_idx) and (cfg.compensate_question or not longctx.question)
-        out, own = _softmax_attention(layer, query, key, value, scaling, offset, n_own, exact)
+        out, own = attention.softmax_attention(layer, query, key, value, scaling, offset, n_own, exact)
         indexer.note_spans(layer, module.layer_idx, own, offset + t - n_own, longctx)
         indexer.evict(layer, module.layer_idx, longctx)
         return out.transpose(1, 2), None
