@@ -42,7 +42,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from engines.answering import AnswerLoop
 from engines.cache import StaticKVCache, head_dim, kv_token_bytes, layer_types
-from engines.positions import Positions, reassigns, rotary_module
+from engines.positions import Positions, context_limit, reassigns, rotary_module
 from engines.reuse import Reuse
 from kernels.chunk_attention import chunk_attention, windowed_compile_pays
 from kernels.decode_attention import decode_attention
@@ -163,6 +163,20 @@ class Engine(Reuse, AnswerLoop, ABC):
         return n_tokens - 1
 
     @classmethod
+    def _reassigned(cls, model_config, engine_config, run, n_tokens: int | None, reserve: int, advice: str) -> bool:
+        """Whether a document of n_tokens (and `reserve` more) runs on re-assigned positions (`positions`); refuses
+        it (DocumentTooLong) where even those would pass the model's context."""
+        limit = context_limit(model_config)
+        if n_tokens is None or not reassigns(engine_config.positions, n_tokens + reserve, limit):
+            return False
+        top = cls.largest_position(model_config, engine_config, n_tokens + reserve, chunk_size=run.chunk_size,
+                                   reserve=reserve)
+        if limit and top >= limit:
+            raise DocumentTooLong(f"{cls.name} needs positions up to {top:,} for a {n_tokens:,}-token document, past "
+                                  f"the model's context of {limit:,}; {advice}")
+        return True
+
+    @classmethod
     def check(cls, model_config, engine_config, run, n_tokens: int | None = None, reserve: int = 0) -> None:
         """Raise EngineInputError for what this configuration cannot take on this model (and, given n_tokens,
         for a document of n_tokens with `reserve` more): called before the weights load."""
@@ -188,7 +202,7 @@ class Engine(Reuse, AnswerLoop, ABC):
         """engines/positions.py Positions for a document of `capacity` tokens (question and answer included) when
         this engine re-assigns its positions (config `positions`), else None."""
         mode = getattr(self.config, "positions", "document")
-        limit = int(getattr(self.text_config, "max_position_embeddings", 0) or 0)
+        limit = context_limit(self.model.config)
         if not reassigns(mode, capacity, limit):
             return None
         rotary = rotary_module(self.model)

@@ -154,7 +154,7 @@ class StaticKVCache(Cache):
         """positions [1, T] in the document -> the positions the model rotates queries and keys at."""
         if self.positions is None:
             return positions
-        return self.positions.model_positions(positions, decoding=self.decoding)
+        return self.positions.model_positions(positions, None if self.decoding else self.filled - 1)
 
     def kept_keys(self, key_states: torch.Tensor, sliding: bool) -> torch.Tensor:
         """key_states [B, Hkv, T, D] being written now, as a layer keeps them: un-rotated where positions are

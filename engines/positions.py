@@ -32,6 +32,11 @@ def rotary_module(model):
     return rotary
 
 
+def context_limit(model_config) -> int:
+    """The model's trained context (`max_position_embeddings`); 0 where the config does not say."""
+    return int(getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", 0) or 0)
+
+
 def reassigns(mode: str, n_tokens: int, limit: int) -> bool:
     """Whether a document of n_tokens (question and answer included) runs on re-assigned positions: `auto` when
     it is longer than the model's context (limit; 0 = unknown), `cache` always, `document` never."""
@@ -67,18 +72,17 @@ class Positions:
             self._shift[device] = torch.full((1,), self.shift, dtype=torch.long, device=device)
         return self._shift[device]
 
-    def model_positions(self, positions: torch.Tensor, *, decoding: bool) -> torch.Tensor:
-        """positions [1, T] (document) -> [1, T] the positions the model rotates at. Prefill chunks are checked
-        against the model's context on the host (their positions are host integers); decode steps are bounded
-        by the room the engine reserved."""
-        if decoding:
+    def model_positions(self, positions: torch.Tensor, last: int | None) -> torch.Tensor:
+        """positions [1, T] (document) -> [1, T] the positions the model rotates at. A prefill chunk gives its
+        last document position `last` (a host integer, so the check needs no device sync); decode steps (None)
+        read the shift on the device and are bounded by the room the engine reserved."""
+        if last is None:
             return positions - self.shift_on(positions.device)
-        out = positions - self.shift
-        top = int(out[0, -1])
+        top = last - self.shift
         if self.limit and top >= self.limit:
             raise ValueError(f"re-assigned position {top} is past the model's context of {self.limit}")
         self.largest = max(self.largest, top)
-        return out
+        return positions - self.shift
 
     def note(self, position: int) -> None:
         """A decode step fed the token at document `position` (for the report's largest position)."""

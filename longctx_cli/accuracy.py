@@ -51,8 +51,9 @@ def _past_context(prof, engine, n_tokens: int) -> str | None:
     """Why this engine does not run a prompt of n_tokens (with its answer): past the model's context, which only
     the engines that re-assign positions read (engines/positions.py); None when it runs."""
     from engines.config import reads_past_context
+    from engines.positions import context_limit
 
-    limit = int(getattr(engine.text_config, "max_position_embeddings", 0) or 0)
+    limit = context_limit(engine.model.config)
     if not limit or n_tokens <= limit or reads_past_context(prof.engine, prof.engine_config):
         return None
     return f"past the model's context of {limit:,} tokens"

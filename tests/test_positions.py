@@ -203,7 +203,8 @@ def test_bench_leaves_engines_that_cannot_read_past_the_context_out_of_longer_sa
     def profile(engine):
         return SimpleNamespace(engine=engine, engine_config=CONFIGS[engine](), name=engine)
 
-    engine = SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=1000))
+    text = SimpleNamespace(max_position_embeddings=1000)
+    engine = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(get_text_config=lambda decoder: text)))
     assert _past_context(profile("dense"), engine, 1000) is None
     assert _past_context(profile("dense"), engine, 1001) == "past the model's context of 1,000 tokens"
     assert _past_context(profile("ltri-stream"), engine, 10**6) is None

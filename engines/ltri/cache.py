@@ -117,10 +117,19 @@ class LtriLayer(OwnedRowsLayer):
         return torch.cat([front, window[self.local0:]])
 
     def attended(self, keys: torch.Tensor) -> torch.Tensor:
-        """The rows' keys as attention reads them: rotated at `assigned` where positions are re-assigned."""
+        """The rows' keys as attention reads them: rotated at `assigned` where positions are re-assigned (a new
+        tensor; else the buffers themselves)."""
         if self.owner.positions is None:
             return keys
         return self.owner.positions.rotate(keys, self.assigned(), self.is_sliding)
+
+    def reattend_slots(self, attended: torch.Tensor) -> None:
+        """After the retrieval slots were filled: their rows of `attended` (from `attended`) rotated afresh."""
+        if self.owner.positions is None:
+            return  # `attended` is the buffers themselves: the slots are already there
+        lo, hi = self.n_init, self.local0
+        attended[:, :, lo:hi] = self.owner.positions.rotate(self.keys[:, :, lo:hi], self.assigned()[lo:hi],
+                                                            self.is_sliding)
 
     def as_attended(self, keys: torch.Tensor, start: int) -> torch.Tensor:
         """keys [Hkv, n, D] of window tokens from document position `start` on, as `attended` rotated them."""

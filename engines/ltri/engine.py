@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-from engines.base import DocumentState, DocumentTooLong, Engine, EngineInputError
+from engines.base import DocumentState, Engine, EngineInputError
 from engines.cache import full_layers, kv_token_bytes
 from engines.ltri import attention
 from engines.ltri import state as document_state
@@ -37,7 +37,6 @@ from engines.ltri.config import LtriConfig
 from engines.ltri.heads import cached_heads
 from engines.ltri.index import Indexer
 from engines.ltri.memory import context_blocks
-from engines.positions import reassigns
 from kernels.decode_attention import decode_backend
 
 
@@ -100,8 +99,9 @@ class LtriEngine(Engine):
                 layer.take_oldest(excess)
             return out.transpose(1, 2), None
         indexer = longctx.indexer
-        indexer.retrieve(layer, module.layer_idx, query, layer.attended(key), scaling, longctx)
-        key = layer.attended(key)  # after the retrieval slots were filled
+        key = layer.attended(key)
+        indexer.retrieve(layer, module.layer_idx, query, key, scaling, longctx)
+        layer.reattend_slots(key)
         n_own = min(t, layer.local_len)
         cfg = indexer.cfg
         exact = cfg.compensates(module.layer_idx) and (cfg.compensate_question or not longctx.question)
@@ -126,17 +126,11 @@ class LtriEngine(Engine):
         if run.chunk_size % engine_config.block_size:
             raise EngineInputError(f"chunk_size {run.chunk_size} is not a multiple of block_size "
                                    f"{engine_config.block_size}")
-        limit = int(getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", 0) or 0)
-        if n_tokens is None or not reassigns(engine_config.positions, n_tokens + reserve, limit):
-            return
-        if engine_config.compensate != "none":
+        reassigned = cls._reassigned(model_config, engine_config, run, n_tokens, reserve,
+                                     "lower n_local, top_k or chunk_size (its rows per layer)")
+        if reassigned and engine_config.compensate != "none":
             raise EngineInputError("ltri-stream: compensate attends stored blocks at their document positions; "
                                    "set compensate: none for documents past the model's context")
-        top = cls.largest_position(model_config, engine_config, n_tokens + reserve, chunk_size=run.chunk_size,
-                                   reserve=reserve)
-        if limit and top >= limit:
-            raise DocumentTooLong(f"ltri-stream keeps {top + 1:,} rows per layer, more positions than the model's "
-                                  f"context of {limit:,}; lower n_local, top_k or chunk_size")
 
     def prefill(self, ids, *, reserve, progress=None) -> DocumentState:
         self.check(self.model.config, self.config, self.run, ids.numel(), reserve)

@@ -171,10 +171,6 @@ class SasCache(StaticKVCache):
         if self.positions is not None:
             self.positions.set_shift(max(0, offset - self.reach))
 
-    def largest_position(self, room: int) -> int:
-        """The largest position a chunk of `room` tokens (or a question and its answer) is given."""
-        return self.reach + room - 1
-
 
 def _lead(plan: CachePlan, n: int) -> int:
     """How many of the document's first tokens the plan keeps until the end of a sequence of n tokens."""

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import time
 
-from engines.base import DocumentState, DocumentTooLong, Engine, EngineInputError
+from engines.base import DocumentState, Engine, EngineInputError
 from engines.cache import kv_token_bytes, layer_types
 from engines.config import SasConfig
-from engines.positions import reassigns, scalars, set_scalars
+from engines.positions import scalars, set_scalars
 from engines.sas import state as document_state
 from engines.sas.analyzer import describe_index, plan_cache
 from engines.sas.attention import admit, decode, prefill_reference
@@ -103,15 +103,9 @@ class SasEngine(Engine):
         if plan.slots == 0:
             raise EngineInputError(f"pattern {engine_config.pattern!r} gives no query any key in a document of "
                                    f"{n_tokens:,} tokens (every attention output would be zero); widen it")
-        limit = int(getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", 0) or 0)
-        if reassigns(engine_config.positions, n_tokens + reserve, limit):
-            top = cls.largest_position(model_config, engine_config, n_tokens + reserve, chunk_size=run.chunk_size,
-                                       reserve=reserve)
-            if limit and top >= limit:
-                raise DocumentTooLong(
-                    f"sas-pattern: pattern {engine_config.pattern!r} keeps too many keys of a {n_tokens:,}-token "
-                    f"document to re-assign positions within the model's context of {limit:,} (up to {top:,}); use "
-                    "a pattern with a bounded cache (e.g. --profile sas-pattern) or ltri-stream")
+        cls._reassigned(model_config, engine_config, run, n_tokens, reserve,
+                        f"pattern {engine_config.pattern!r} keeps too many keys; use one with a bounded cache (e.g. "
+                        "--profile sas-pattern) or ltri-stream")
 
     def make_cache(self, capacity: int, reserve: int) -> SasCache:
         start = time.perf_counter()
