@@ -85,9 +85,11 @@ def _run(prof, engine, builder: PromptBuilder, sample, budget: int) -> dict:
             "prompt_tokens": doc.numel() + tail.numel(), "counters": engine.counters(state)}
 
 
-def run_accuracy(engines: list, tokenizer, *, tasks: list[str], lengths: list[int], samples: int, seed: int,
-                 depths: list[float] | None, max_new_tokens: int, layout: str, stop: list[str]) -> dict:
-    """engines: [(profile, engine)], the compared engine first and the baseline (dense) last."""
+def run_accuracy(engines: list, tokenizer, *, baseline: str | None, tasks: list[str], lengths: list[int],
+                 samples: int, seed: int, depths: list[float] | None, max_new_tokens: int, layout: str,
+                 stop: list[str]) -> dict:
+    """engines: [(profile, engine)], each run on every sample; baseline: the name of the profile among them
+    (dense, last) whose scores every other profile's row is compared with, or None."""
     builder = PromptBuilder(tokenizer, layout, stop)
     records, rows = [], []
     total = len(tasks) * len(lengths) * samples * len(engines)
@@ -111,7 +113,9 @@ def run_accuracy(engines: list, tokenizer, *, tasks: list[str], lengths: list[in
                         per_engine[prof.name].append(result)
                         bar.advance(job)
                     records.append(record)
-                rows.append(_row(task, length, engines, per_engine))
+                base = per_engine[baseline] if baseline else None
+                rows += [_row(task, length, prof, per_engine[prof.name], base)
+                         for prof, _ in engines if prof.name != baseline]
     return {"rows": rows, "samples": records}
 
 
@@ -120,11 +124,11 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
-def _row(task: str, length: int, engines: list, per_engine: dict) -> dict:
-    (prof, _), (base, _) = engines[0], engines[-1]
+def _row(task: str, length: int, prof, mine: list[dict], dense: list[dict] | None) -> dict:
+    """One profile's row: its mean score and speed next to the baseline's on the same samples."""
     # Without a baseline (--compare none) the dense columns stay empty, unless the engine is dense itself.
-    has_dense = len(engines) > 1 or prof.engine == "dense"
-    mine, dense = per_engine[prof.name], (per_engine[base.name] if has_dense else [])
+    if dense is None:
+        dense = mine if prof.engine == "dense" else []
     # Engines that cannot read past the model's context skip longer samples: their columns stay empty.
     row = {"task": task, "length": length, "engine": prof.engine, "profile": prof.name,
            "samples": sum(r["score"] is not None for r in mine),
@@ -143,16 +147,24 @@ def _row(task: str, length: int, engines: list, per_engine: dict) -> dict:
 
 def render(result: dict, title: str) -> None:
     table = Table(title=title, title_justify="left")
+    profiles = list(dict.fromkeys(r["profile"] for r in result["rows"]))
+    if len(profiles) > 1:
+        table.add_column("profile", no_wrap=True)
     table.add_column("task", no_wrap=True, min_width=15)
     for col in ("length", "score", "dense", "ratio", "prefill s", "dense prefill", "ms/tok", "dense ms/tok"):
         table.add_column(col, justify="right")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    for r in result["rows"]:
-        table.add_row(r["task"], f"{r['length']:,}", fmt(r["score"], ".1f"), fmt(r["dense_score"], ".1f"),
-                      fmt(r["ratio"], ".2f"), fmt(r["prefill_s"], ".2f"), fmt(r["dense_prefill_s"], ".2f"),
-                      fmt(r["decode_ms_per_token"], ".1f"), fmt(r["dense_decode_ms_per_token"], ".1f"))
-    means = [r["score"] for r in result["rows"]], [r["dense_score"] for r in result["rows"]]
-    table.add_row("mean", "", fmt(_mean(means[0]), ".1f"), fmt(_mean(means[1]), ".1f"), "", "", "", "", "")
+    lead = (lambda name: [name]) if len(profiles) > 1 else (lambda name: [])  # noqa: E731
+    for name in profiles:
+        rows = [r for r in result["rows"] if r["profile"] == name]
+        for r in rows:
+            table.add_row(*lead(name), r["task"], f"{r['length']:,}", fmt(r["score"], ".1f"),
+                          fmt(r["dense_score"], ".1f"), fmt(r["ratio"], ".2f"), fmt(r["prefill_s"], ".2f"),
+                          fmt(r["dense_prefill_s"], ".2f"), fmt(r["decode_ms_per_token"], ".1f"),
+                          fmt(r["dense_decode_ms_per_token"], ".1f"))
+        mine, dense = _mean([r["score"] for r in rows]), _mean([r["dense_score"] for r in rows])
+        table.add_row(*lead(name), "mean", "", fmt(mine, ".1f"), fmt(dense, ".1f"), "", "", "", "", "",
+                      end_section=len(profiles) > 1)
     err.print(table)
     for r in result["rows"]:
         for key, who in (("skipped", r["profile"]), ("dense_skipped", "dense")):
@@ -182,12 +194,17 @@ def plot(result: dict, path: str) -> None:
     fig, (acc, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
     for task in dict.fromkeys(r["task"] for r in rows):
         mine = [r for r in rows if r["task"] == task]
-        lengths = [r["length"] for r in mine]
-        line, = acc.plot(lengths, [r["score"] for r in mine], marker="o", label=f"{task} ({mine[0]['engine']})")
-        acc.plot(lengths, [r["dense_score"] for r in mine], ls="--", color=line.get_color(), label=f"{task} (dense)")
+        for name in dict.fromkeys(r["profile"] for r in mine):
+            own = [r for r in mine if r["profile"] == name]
+            acc.plot([r["length"] for r in own], [r["score"] for r in own], marker="o", label=f"{task} ({name})")
+        dense = list({r["length"]: r for r in mine}.values())  # the baseline's scores, once per length
+        acc.plot([r["length"] for r in dense], [r["dense_score"] for r in dense], ls="--", color="gray",
+                 label=f"{task} (dense)")
     by_length = sorted({r["length"] for r in rows})
-    for key, label in (("decode_ms_per_token", rows[0]["engine"]), ("dense_decode_ms_per_token", "dense")):
-        speed.plot(by_length, [_mean([r[key] for r in rows if r["length"] == n]) for n in by_length], marker="o",
+    series = [(f"{name}", "decode_ms_per_token", name) for name in dict.fromkeys(r["profile"] for r in rows)]
+    for label, key, name in series + [("dense", "dense_decode_ms_per_token", None)]:
+        own = [r for r in rows if name is None or r["profile"] == name]
+        speed.plot(by_length, [_mean([r[key] for r in own if r["length"] == n]) for n in by_length], marker="o",
                    label=label)
     acc.set(xscale="log", xlabel="context tokens", ylabel="score (0-100)", title="accuracy vs length")
     speed.set(xscale="log", xlabel="context tokens", ylabel="ms / token", title="decode vs length")

@@ -115,9 +115,11 @@ def _engine_input_errors():
         raise ConfigError(str(exc)) from None
 
 
-def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int, json_path: str | None,
+def run_bench(profiles: list, baseline, *, model: str | None, lengths: str, steps: int, json_path: str | None,
               argv: list[str], warmup_tokens: int | None = None, tasks: list[str] | None = None, samples: int = 10, seed: int = 0,
               depths: list[float] | None = None, plot_path: str | None = None, layout: str = "auto") -> dict:
+    """Each profile's engine, then the baseline's, on the same inputs; the model is loaded once."""
+    profile = profiles[0]
     lm = load_model(model, device=profile.run.device, dtype=profile.run.dtype,
                     progress=lambda m: err.print(f"[dim]{m}...[/]"))
     # Several ranks (star --gpus N): every rank runs the engine, the baseline runs on the query rank alone (one
@@ -125,7 +127,7 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
     lead = distributed.is_query_rank()
     with _engine_input_errors():  # settings the model refuses (e.g. a layer it does not have), as in `ask`
         engines = [(prof, ENGINES[prof.engine](lm, prof.engine_config, prof.run, home=longctx_home()))
-                   for prof in (profile, baseline if lead else None) if prof is not None]
+                   for prof in [*profiles, baseline if lead else None] if prof is not None]
     # The parameters in effect, not just profile names: a profile file may change after the run.
     # Engine keys, then the run keys that shape what is measured (decoding's graph and compilation, chunking).
     settings = {prof.name: {"engine": prof.engine, **dataclasses.asdict(prof.engine_config),
@@ -134,10 +136,12 @@ def run_bench(profile, baseline, *, model: str | None, lengths: str, steps: int,
         from longctx_cli import accuracy
 
         with _engine_input_errors():
-            result = accuracy.run_accuracy(engines, lm.tokenizer, tasks=tasks, lengths=[parse_count(x) for x in
-                                           lengths.split(",")], samples=samples, seed=seed, depths=depths,
-                                           max_new_tokens=profile.run.max_new_tokens, layout=layout,
-                                           stop=profile.run.stop)
+            # One answer budget for every profile, so that they all see the same prompts.
+            result = accuracy.run_accuracy(engines, lm.tokenizer, baseline=baseline and baseline.name,
+                                           tasks=tasks, lengths=[parse_count(x) for x in lengths.split(",")],
+                                           samples=samples, seed=seed, depths=depths,
+                                           max_new_tokens=min(p.run.max_new_tokens for p in profiles),
+                                           layout=layout, stop=profile.run.stop)
         result = {**run_stamp(distributed.command(argv)), "model": model or "gemma3-270m",
                   "random_weights": lm.random_weights, "mode": "accuracy", "engine_settings": settings, **result}
         if lead:

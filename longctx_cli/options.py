@@ -39,17 +39,30 @@ def signals(command):
     return run
 
 
-def profile_from_flags(name: str, sets: list[str] | None, only_known: bool = False, **flags):
-    """Resolve a profile with --set overrides and flags; only_known (a bench baseline) drops the --set keys its
-    engine does not have, so `--set block_size=...` tunes the engine under test without breaking dense."""
+def _known_keys(engine: str) -> set[str]:
     from engines.config import CONFIGS
-    from longctx_cli.profiles import RunSettings, parse_override, resolve_profile
+    from longctx_cli.profiles import RunSettings
+
+    return {f.name for f in dataclasses.fields(RunSettings)} | {f.name for f in dataclasses.fields(CONFIGS[engine])}
+
+
+def unknown_sets(sets: list[str] | None, engines: list[str]) -> list[str]:
+    """The --set keys that none of these engines (nor the run settings) has."""
+    from longctx_cli.profiles import parse_override
+
+    known = set().union(*(_known_keys(e) for e in engines))
+    return [key for key, _ in (parse_override(s) for s in sets or []) if key not in known]
+
+
+def profile_from_flags(name: str, sets: list[str] | None, only_known: bool = False, **flags):
+    """Resolve a profile with --set overrides and flags; only_known (a bench baseline, or one of several
+    profiles) drops the --set keys its engine does not have, so `--set block_size=...` tunes the engine under
+    test without breaking dense."""
+    from longctx_cli.profiles import parse_override, resolve_profile
 
     overrides = dict(parse_override(s) for s in sets or [])
     if only_known:
-        engine = resolve_profile(name, {}).engine
-        known = {f.name for f in dataclasses.fields(RunSettings)} | {
-            f.name for f in dataclasses.fields(CONFIGS[engine])}
+        known = _known_keys(resolve_profile(name, {}).engine)
         overrides = {k: v for k, v in overrides.items() if k in known}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     return resolve_profile(name, overrides)

@@ -17,21 +17,25 @@ def cli(capsys, monkeypatch):
 
 
 def test_bench_tasks_end_to_end_next_to_dense(cli, tmp_path):
-    """A profile's engine (star) and the dense baseline on the same samples: each row's score and dense_score
-    are the means of their own engine's sample scores."""
+    """Two profiles' engines (star, resa) and the dense baseline, run once, on the same samples: each row's score
+    and dense_score are the means of their own engine's sample scores."""
     out = tmp_path / "acc.json"
-    code, stdout, err = cli("bench", "--profile", "star", "--tasks", "niah_single_1,vt", "--lengths", "1k",
-                            "--samples", "1", "-n", "12", "--json", out)
+    code, stdout, err = cli("bench", "--profile", "star,resa", "--tasks", "niah_single_1,vt", "--lengths", "1k",
+                            "--samples", "1", "-n", "12", "--set", "min_block_size=256", "--json", out)
     assert code == 0, err
     assert stdout == ""
     assert "accuracy: gemma3-270m" in err
     result = json.loads(out.read_text())
     assert result["mode"] == "accuracy" and result["model"] == "gemma3-270m"
     assert [(r["task"], r["length"], r["samples"], r["engine"]) for r in result["rows"]] == [
-        ("niah_single_1", 1024, 1, "star"), ("vt", 1024, 1, "star")]
+        ("niah_single_1", 1024, 1, "star"), ("niah_single_1", 1024, 1, "resa"),
+        ("vt", 1024, 1, "star"), ("vt", 1024, 1, "resa")]
+    # --set went to the profile that has the key.
+    assert result["engine_settings"]["star"]["min_block_size"] == 256
+    assert "min_block_size" not in result["engine_settings"]["resa"]
     assert len({s["prompt_hash"] for s in result["samples"]}) == 2
     for sample in result["samples"]:
-        assert set(sample["results"]) == {"star", "dense"}
+        assert set(sample["results"]) == {"star", "resa", "dense"}
         for run in sample["results"].values():
             assert sample["expected"] and isinstance(run["answer"], str)
             # The prompt fills the length minus the answer budget exactly (budget = min(RULER's, -n 12)).
@@ -40,7 +44,7 @@ def test_bench_tasks_end_to_end_next_to_dense(cli, tmp_path):
             assert run["score"] == pytest.approx(100 * found / len(sample["expected"]))
     for row in result["rows"]:
         mine = [s["results"] for s in result["samples"] if s["task"] == row["task"]]
-        assert row["score"] == pytest.approx(sum(r["star"]["score"] for r in mine) / len(mine))
+        assert row["score"] == pytest.approx(sum(r[row["profile"]]["score"] for r in mine) / len(mine))
         assert row["dense_score"] == pytest.approx(sum(r["dense"]["score"] for r in mine) / len(mine))
 
 
@@ -49,6 +53,12 @@ def test_bench_tasks_bad_arguments(cli):
     assert code == 4 and "unknown task 'niah_nope'" in err
     code, _, err = cli("bench", "--tasks", "vt", "--lengths", "1k", "--depths", "deep")
     assert code == 4 and "--depths" in err
+    code, _, err = cli("bench", "--profile", "star,resa", "--tasks", "vt", "--set", "top_k=3")
+    assert code == 4 and "--set top_k: no profile among star, resa has this key" in err
+    code, _, err = cli("bench", "--profile", "resa,resa", "--tasks", "vt")
+    assert code == 4 and "names a profile twice" in err
+    code, _, err = cli("bench", "--profile", "star,resa", "--gpus", "2", "--tasks", "vt")
+    assert code == 4 and "--gpus runs one star profile" in err
 
 
 def test_bench_plot_without_matplotlib_is_a_clear_error(cli, tmp_path, monkeypatch):

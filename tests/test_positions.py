@@ -211,8 +211,7 @@ def test_bench_leaves_engines_that_cannot_read_past_the_context_out_of_longer_sa
     ran = {"score": 100.0, "prefill_s": 1.0, "decode_ms_per_token": 2.0}
     skipped = {"skipped": "past the model's context of 1,000 tokens", "score": None, "prefill_s": None,
                "decode_ms_per_token": None}
-    engines = [(profile("ltri-stream"), None), (profile("dense"), None)]
-    row = _row("niah_single_1", 4096, engines, {"ltri-stream": [ran, ran], "dense": [skipped, skipped]})
+    row = _row("niah_single_1", 4096, profile("ltri-stream"), [ran, ran], [skipped, skipped])
     assert row["score"] == 100.0 and row["samples"] == 2
     assert row["dense_score"] is None and row["ratio"] is None
     assert row["dense_skipped"] == "past the model's context of 1,000 tokens" and "skipped" not in row
