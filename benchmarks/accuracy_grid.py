@@ -1,0 +1,166 @@
+"""Accuracy tables of several engines over many tasks and lengths, as `longctx bench --tasks` processes that
+share one GPU, and the merged result.
+
+A small model leaves a GPU mostly idle between its kernel launches, so one `longctx bench` process per (profile,
+task, length) cell, several at a time, finishes a table several times sooner than one process. Each process runs
+its profile and the dense baseline on the cell's samples (the samples depend only on task, length, index and
+seed, so every profile meets the same prompts). The cells run longest first; at the deadline the unfinished ones
+are stopped and left out of the merged file, which lists them. Merging joins the rows and, per sample, every
+profile's result; dense runs in every cell of its task and length, and the merged file counts the samples where
+those runs answered differently.
+
+The speed columns of a table made this way are not speed measurements (the processes share the GPU); the merged
+file says so.
+
+    python benchmarks/accuracy_grid.py --model qwen2.5-coder-0.5b --profiles resa,star,ltri-stream-4k,sas-pattern \
+        --tasks all --lengths 2k,4k,8k,16k,32k --samples 20 --jobs 8 --deadline 560 --out qwen.json
+    python benchmarks/accuracy_grid.py --merge qwen.json more.json --out both.json   # join two grids' files
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from longctx_cli.tasks import TASKS
+from longctx_cli.units import parse_count
+
+SHARED_NOTE = ("cells ran as separate `longctx bench` processes sharing one GPU: the prefill and decode times are "
+               "not speed measurements")
+
+
+def _cells(args) -> list[tuple[str, str, int]]:
+    tasks = list(TASKS) if args.tasks == "all" else args.tasks.split(",")
+    lengths = [parse_count(x) for x in args.lengths.split(",")]
+    profiles = args.profiles.split(",")
+    cells = [(p, t, n) for p in profiles for t in tasks for n in lengths]
+    # Longest first, and the streaming engines (the slowest per token) first among equals.
+    return sorted(cells, key=lambda c: (-c[2], not c[0].startswith("ltri")))
+
+
+def _command(args, profile: str, task: str, length: int, out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "longctx_cli", "bench", "--profile", profile, "--tasks", task,
+           "--lengths", str(length), "--samples", str(args.samples), "--seed", str(args.seed), "--json", str(out)]
+    if args.model:
+        cmd += ["--model", args.model]
+    for item in args.set or []:
+        cmd += ["--set", item]
+    return cmd
+
+
+def run_grid(args) -> list[Path]:
+    """Run the cells, `jobs` at a time, until done or the deadline; the finished cells' JSON paths."""
+    work = Path(tempfile.mkdtemp(prefix="accuracy_grid_"))
+    skip = _done_cells(args.resume)
+    pending, running, done = [c for c in _cells(args) if c not in skip], [], []
+    deadline = time.monotonic() + args.deadline
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.jobs))}
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            cell = pending.pop(0)
+            name = "_".join(map(str, cell))
+            out, log = work / f"{name}.json", open(work / f"{name}.log", "w")
+            proc = subprocess.Popen(_command(args, *cell, out), stdout=subprocess.DEVNULL, stderr=log, env=env)
+            running.append((proc, out, log, name, time.monotonic()))
+        time.sleep(1)
+        for item in list(running):
+            proc, out, log, name, start = item
+            if proc.poll() is None and time.monotonic() < deadline:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+            running.remove(item)
+            status = "done" if proc.returncode == 0 and out.exists() else f"exit {proc.returncode}"
+            print(f"{name}: {status} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+            if status == "done":
+                done.append(out)
+            else:
+                print((work / f"{name}.log").read_text()[-800:], file=sys.stderr)
+        if time.monotonic() >= deadline:
+            for cell in pending:
+                print(f"{' '.join(map(str, cell))}: not started (deadline)", file=sys.stderr)
+            pending = []
+    return done
+
+
+def _done_cells(path: str | None) -> set[tuple[str, str, int]]:
+    if not path:
+        return set()
+    return {(r["profile"], r["task"], r["length"]) for r in json.loads(Path(path).read_text())["rows"]}
+
+
+def merge(paths: list[Path], commands: list[str] | None = None, order: list[str] | None = None) -> dict:
+    """One accuracy result from several: rows joined, each sample's results joined; the model and each profile's
+    settings must agree."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    if not parts:
+        raise SystemExit("no finished cell to merge")
+    first, settings = parts[0], {}
+    for part in parts:
+        for key in ("model", "mode"):
+            if part[key] != first[key]:
+                raise SystemExit(f"cannot merge: {key} differs between results")
+        for name, value in part["engine_settings"].items():
+            if settings.setdefault(name, value) != value:
+                raise SystemExit(f"cannot merge: the settings of {name} differ between results")
+    order = [n for n in (order or []) if n in settings] + [n for n in settings if n not in (order or [])]
+    order = [n for n in order if n != "dense"] + ["dense"]
+    rows = sorted((r for p in parts for r in p["rows"]),
+                  key=lambda r: (order.index(r["profile"]), r["task"], r["length"]))
+    samples, differ = {}, 0
+    for part in parts:
+        for record in part["samples"]:
+            key = (record["task"], record["length"], record["index"], record["seed"])
+            held = samples.setdefault(key, {**record, "results": {}})
+            if held["prompt_hash"] != record["prompt_hash"]:
+                raise SystemExit(f"cannot merge: sample {key} has two prompts")
+            for name, result in record["results"].items():
+                if name in held["results"]:
+                    differ += name == "dense" and held["results"][name]["answer"] != result["answer"]
+                    continue
+                held["results"][name] = result
+    return {**{k: v for k, v in first.items() if k not in ("rows", "samples", "command", "commands")},
+            "commands": commands or sorted({c for p in parts for c in p.get("commands", [p.get("command")])}),
+            "engine_settings": {n: settings[n] for n in order}, "cells": sum(p.get("cells", 1) for p in parts),
+            "dense_answers_differing": differ, "note": SHARED_NOTE, "rows": rows,
+            "samples": sorted(samples.values(), key=lambda r: (r["task"], r["length"], r["index"]))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model")
+    parser.add_argument("--profiles", default="resa")
+    parser.add_argument("--tasks", default="all")
+    parser.add_argument("--lengths", default="4k,8k,16k,32k")
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append")
+    parser.add_argument("--jobs", type=int, default=8)
+    parser.add_argument("--deadline", type=float, default=3600, help="seconds; unfinished cells are left out")
+    parser.add_argument("--merge", nargs="+", help="merge these result files instead of running")
+    parser.add_argument("--resume", help="a merged file of an earlier run: its cells are kept, not run again")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.merge:
+        result = merge([Path(p) for p in args.merge])
+    else:
+        grid = " ".join(a if " " not in a else repr(a) for a in sys.argv[1:])
+        earlier = [Path(args.resume)] if args.resume else []
+        commands = [f"python benchmarks/accuracy_grid.py {grid}"]
+        if earlier:
+            commands = json.loads(earlier[0].read_text())["commands"] + commands
+        result = merge(earlier + run_grid(args), commands=commands, order=args.profiles.split(","))
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"{len(result['rows'])} rows from {result['cells']} cells -> {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
