@@ -1,11 +1,11 @@
 """Accuracy tables of several engines over many tasks and lengths, as `longctx bench --tasks` processes that
 share one GPU, and the merged result.
 
-A small model leaves a GPU mostly idle between its kernel launches, so one `longctx bench` process per (profile,
-task, length) cell, several at a time, finishes a table several times sooner than one process. Each process runs
-its profile and the dense baseline on the cell's samples (the samples depend only on task, length, index and
-seed, so every profile meets the same prompts). The cells run longest first; at the deadline the unfinished ones
-are stopped and left out of the merged file, which lists them. Merging joins the rows and, per sample, every
+A small model leaves a GPU mostly idle between its kernel launches, so one `longctx bench` process per profile and
+task (or per length too), several at a time, finishes a table several times sooner than one process. Each process
+runs its profile and the dense baseline on the cell's samples (the samples depend only on task, length, index and
+seed, so every profile meets the same prompts). The streaming engines' cells start first; at the deadline the
+running ones are stopped and keep the lengths they finished (bench writes its file after each one). Merging joins the rows and, per sample, every
 profile's result; dense runs in every cell of its task and length, and the merged file counts the samples where
 those runs answered differently.
 
@@ -35,18 +35,19 @@ SHARED_NOTE = ("cells ran as separate `longctx bench` processes sharing one GPU:
                "not speed measurements")
 
 
-def _cells(args) -> list[tuple[str, str, int]]:
+def _cells(args) -> list[tuple[str, str, str]]:
+    """(profile, task, lengths): one process each; with --split length one per length too."""
     tasks = list(TASKS) if args.tasks == "all" else args.tasks.split(",")
-    lengths = [parse_count(x) for x in args.lengths.split(",")]
-    profiles = args.profiles.split(",")
-    cells = [(p, t, n) for p in profiles for t in tasks for n in lengths]
-    # Longest first, and the streaming engines (the slowest per token) first among equals.
-    return sorted(cells, key=lambda c: (-c[2], not c[0].startswith("ltri")))
+    lengths = sorted(parse_count(x) for x in args.lengths.split(","))
+    spans = [str(n) for n in reversed(lengths)] if args.split == "length" else [",".join(map(str, lengths))]
+    cells = [(p, t, span) for span in spans for p in args.profiles.split(",") for t in tasks]
+    # The streaming engines (the slowest per token) first.
+    return sorted(cells, key=lambda c: not c[0].startswith("ltri"))
 
 
-def _command(args, profile: str, task: str, length: int, out: Path) -> list[str]:
+def _command(args, profile: str, task: str, lengths: str, out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "longctx_cli", "bench", "--profile", profile, "--tasks", task,
-           "--lengths", str(length), "--samples", str(args.samples), "--seed", str(args.seed), "--json", str(out)]
+           "--lengths", lengths, "--samples", str(args.samples), "--seed", str(args.seed), "--json", str(out)]
     if args.model:
         cmd += ["--model", args.model]
     for item in args.set or []:
@@ -58,13 +59,17 @@ def run_grid(args) -> list[Path]:
     """Run the cells, `jobs` at a time, until done or the deadline; the finished cells' JSON paths."""
     work = Path(tempfile.mkdtemp(prefix="accuracy_grid_"))
     skip = _done_cells(args.resume)
-    pending, running, done = [c for c in _cells(args) if c not in skip], [], []
+    pending, running, done = [], [], []
+    for profile, task, span in _cells(args):
+        left = [n for n in span.split(",") if (profile, task, n) not in skip]
+        if left:
+            pending.append((profile, task, ",".join(left)))
     deadline = time.monotonic() + args.deadline
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.jobs))}
     while pending or running:
         while pending and len(running) < args.jobs:
             cell = pending.pop(0)
-            name = "_".join(map(str, cell))
+            name = "_".join(cell).replace(",", "-")
             out, log = work / f"{name}.json", open(work / f"{name}.log", "w")
             proc = subprocess.Popen(_command(args, *cell, out), stdout=subprocess.DEVNULL, stderr=log, env=env)
             running.append((proc, out, log, name, time.monotonic()))
@@ -73,28 +78,31 @@ def run_grid(args) -> list[Path]:
             proc, out, log, name, start = item
             if proc.poll() is None and time.monotonic() < deadline:
                 continue
-            if proc.poll() is None:
+            stopped = proc.poll() is None
+            if stopped:
                 proc.kill()
                 proc.wait()
             log.close()
             running.remove(item)
-            status = "done" if proc.returncode == 0 and out.exists() else f"exit {proc.returncode}"
-            print(f"{name}: {status} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
-            if status == "done":
+            # A stopped cell keeps the lengths it finished (bench rewrites its file after each one).
+            status = "done" if proc.returncode == 0 else "stopped at the deadline" if stopped else f"exit {proc.returncode}"
+            rows = len(json.loads(out.read_text())["rows"]) if out.exists() else 0
+            print(f"{name}: {status} in {time.monotonic() - start:.0f} s, {rows} rows", file=sys.stderr, flush=True)
+            if rows:
                 done.append(out)
-            else:
+            if status.startswith("exit"):
                 print((work / f"{name}.log").read_text()[-800:], file=sys.stderr)
         if time.monotonic() >= deadline:
             for cell in pending:
-                print(f"{' '.join(map(str, cell))}: not started (deadline)", file=sys.stderr)
+                print(f"{' '.join(cell)}: not started (deadline)", file=sys.stderr)
             pending = []
     return done
 
 
-def _done_cells(path: str | None) -> set[tuple[str, str, int]]:
+def _done_cells(path: str | None) -> set[tuple[str, str, str]]:
     if not path:
         return set()
-    return {(r["profile"], r["task"], r["length"]) for r in json.loads(Path(path).read_text())["rows"]}
+    return {(r["profile"], r["task"], str(r["length"])) for r in json.loads(Path(path).read_text())["rows"]}
 
 
 def merge(paths: list[Path], commands: list[str] | None = None, order: list[str] | None = None) -> dict:
@@ -127,7 +135,7 @@ def merge(paths: list[Path], commands: list[str] | None = None, order: list[str]
                     differ += name == "dense" and held["results"][name]["answer"] != result["answer"]
                     continue
                 held["results"][name] = result
-    return {**{k: v for k, v in first.items() if k not in ("rows", "samples", "command", "commands")},
+    return {**{k: v for k, v in first.items() if k not in ("rows", "samples", "command", "commands", "partial")},
             "commands": commands or sorted({c for p in parts for c in p.get("commands", [p.get("command")])}),
             "engine_settings": {n: settings[n] for n in order}, "cells": sum(p.get("cells", 1) for p in parts),
             "dense_answers_differing": differ, "note": SHARED_NOTE, "rows": rows,
@@ -144,7 +152,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append")
     parser.add_argument("--jobs", type=int, default=8)
-    parser.add_argument("--deadline", type=float, default=3600, help="seconds; unfinished cells are left out")
+    parser.add_argument("--split", choices=("task", "length"), default="task",
+                        help="one process per profile and task (its lengths shortest first), or per length too")
+    parser.add_argument("--deadline", type=float, default=3600, help="seconds; running cells are stopped and keep the lengths they finished")
     parser.add_argument("--merge", nargs="+", help="merge these result files instead of running")
     parser.add_argument("--resume", help="a merged file of an earlier run: its cells are kept, not run again")
     parser.add_argument("--out", required=True)

@@ -87,9 +87,10 @@ def _run(prof, engine, builder: PromptBuilder, sample, budget: int) -> dict:
 
 def run_accuracy(engines: list, tokenizer, *, baseline: str | None, tasks: list[str], lengths: list[int],
                  samples: int, seed: int, depths: list[float] | None, max_new_tokens: int, layout: str,
-                 stop: list[str]) -> dict:
+                 stop: list[str], on_rows=None) -> dict:
     """engines: [(profile, engine)], each run on every sample; baseline: the name of the profile among them
-    (dense, last) whose scores every other profile's row is compared with, or None."""
+    (dense, last) whose scores every other profile's row is compared with, or None. on_rows(result so far) is
+    called after each task and length, so that a long run that is stopped keeps what it finished."""
     builder = PromptBuilder(tokenizer, layout, stop)
     records, rows = [], []
     total = len(tasks) * len(lengths) * samples * len(engines)
@@ -116,6 +117,8 @@ def run_accuracy(engines: list, tokenizer, *, baseline: str | None, tasks: list[
                 base = per_engine[baseline] if baseline else None
                 rows += [_row(task, length, prof, per_engine[prof.name], base)
                          for prof, _ in engines if prof.name != baseline]
+                if on_rows:
+                    on_rows({"rows": rows, "samples": records})
     return {"rows": rows, "samples": records}
 
 

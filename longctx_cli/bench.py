@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -136,14 +137,20 @@ def run_bench(profiles: list, baseline, *, model: str | None, lengths: str, step
         from longctx_cli import accuracy
 
         with _engine_input_errors():
+            stamp = {**run_stamp(distributed.command(argv)), "model": model or "gemma3-270m",
+                     "random_weights": lm.random_weights, "mode": "accuracy", "engine_settings": settings}
+
+            def partial(so_far: dict) -> None:
+                if lead and json_path != "-":
+                    _write({**stamp, "partial": True, **so_far}, json_path)
+
             # One answer budget for every profile, so that they all see the same prompts.
             result = accuracy.run_accuracy(engines, lm.tokenizer, baseline=baseline and baseline.name,
                                            tasks=tasks, lengths=[parse_count(x) for x in lengths.split(",")],
                                            samples=samples, seed=seed, depths=depths,
                                            max_new_tokens=min(p.run.max_new_tokens for p in profiles),
-                                           layout=layout, stop=profile.run.stop)
-        result = {**run_stamp(distributed.command(argv)), "model": model or "gemma3-270m",
-                  "random_weights": lm.random_weights, "mode": "accuracy", "engine_settings": settings, **result}
+                                           layout=layout, stop=profile.run.stop, on_rows=partial)
+        result = {**stamp, **result}
         if lead:
             accuracy.render(result, f"accuracy: {result['model']}" + (f" ({RANDOM_NOTE})" if lm.random_weights else ""))
             if plot_path:
@@ -202,8 +209,11 @@ def _write(result: dict, json_path: str | None) -> None:
     if json_path == "-":
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
     elif json_path:
-        with open(json_path, "w") as fh:
+        # Written whole under a temporary name and renamed: a run stopped while writing leaves the last file.
+        tmp = f"{json_path}.tmp"
+        with open(tmp, "w") as fh:
             json.dump(result, fh, indent=1)
+        os.replace(tmp, json_path)
 
 
 def _table(result: dict) -> None:
