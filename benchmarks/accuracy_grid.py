@@ -61,7 +61,7 @@ def run_grid(args) -> list[Path]:
     skip = _done_cells(args.resume)
     pending, running, done = [], [], []
     for profile, task, span in _cells(args):
-        left = [n for n in span.split(",") if (profile, task, n) not in skip]
+        left = [n for n in span.split(",") if (Path(profile).stem, task, n) not in skip]
         if left:
             pending.append((profile, task, ",".join(left)))
     deadline = time.monotonic() + args.deadline
@@ -69,7 +69,7 @@ def run_grid(args) -> list[Path]:
     while pending or running:
         while pending and len(running) < args.jobs:
             cell = pending.pop(0)
-            name = "_".join(cell).replace(",", "-")
+            name = "_".join((Path(cell[0]).stem, *cell[1:])).replace(",", "-")
             out, log = work / f"{name}.json", open(work / f"{name}.log", "w")
             proc = subprocess.Popen(_command(args, *cell, out), stdout=subprocess.DEVNULL, stderr=log, env=env)
             running.append((proc, out, log, name, time.monotonic()))
@@ -167,7 +167,8 @@ def main() -> None:
         commands = [f"python benchmarks/accuracy_grid.py {grid}"]
         if earlier:
             commands = json.loads(earlier[0].read_text())["commands"] + commands
-        result = merge(earlier + run_grid(args), commands=commands, order=args.profiles.split(","))
+        result = merge(earlier + run_grid(args), commands=commands,
+                       order=[Path(p).stem for p in args.profiles.split(",")])
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{len(result['rows'])} rows from {result['cells']} cells -> {args.out}", file=sys.stderr)
 
