@@ -1,0 +1,80 @@
+"""benchmarks/accuracy_grid.py's merge and benchmarks/accuracy_table.py's table, on hand-made bench results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+grid, table = _script("accuracy_grid"), _script("accuracy_table")
+
+
+def _part(profile: str, engine: str, scores: list[float], dense: list[float], dense_answer="7") -> dict:
+    """One bench --tasks result: a profile and dense on len(scores) samples of niah_single_1 at 4K."""
+    samples = [{"task": "niah_single_1", "length": 4096, "index": i, "seed": 0, "prompt_hash": f"h{i}",
+                "results": {profile: {"answer": "x", "score": s}, "dense": {"answer": dense_answer, "score": d}}}
+               for i, (s, d) in enumerate(zip(scores, dense))]
+    row = {"task": "niah_single_1", "length": 4096, "engine": engine, "profile": profile, "samples": len(scores),
+           "score": sum(scores) / len(scores), "dense_score": sum(dense) / len(dense)}
+    return {"command": f"longctx bench --profile {profile}", "model": "m", "mode": "accuracy",
+            "engine_settings": {profile: {"engine": engine}, "dense": {"engine": "dense"}},
+            "rows": [row], "samples": samples}
+
+
+def _write(tmp_path, name, result) -> Path:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(result))
+    return path
+
+
+def test_merge_joins_each_samples_results_and_counts_differing_dense(tmp_path):
+    a = _write(tmp_path, "a", _part("resa", "resa", [100, 0], [100, 100]))
+    b = _write(tmp_path, "b", _part("star", "star", [100, 100], [100, 100], dense_answer="8"))
+    merged = grid.merge([a, b], order=["star", "resa"])
+    assert [r["profile"] for r in merged["rows"]] == ["star", "resa"]
+    assert list(merged["engine_settings"]) == ["star", "resa", "dense"]
+    assert [sorted(s["results"]) for s in merged["samples"]] == [["dense", "resa", "star"]] * 2
+    assert merged["dense_answers_differing"] == 2
+    assert merged["cells"] == 2 and sorted(merged["commands"]) == ["longctx bench --profile resa",
+                                                                    "longctx bench --profile star"]
+    again = grid.merge([_write(tmp_path, "m", merged)])
+    assert again["cells"] == 2 and again["rows"] == merged["rows"]
+
+
+def test_merge_refuses_results_that_disagree(tmp_path):
+    a = _part("resa", "resa", [100], [100])
+    b = _part("resa", "resa", [100], [100])
+    b["engine_settings"]["resa"]["keep_ratio"] = 0.2
+    with pytest.raises(SystemExit, match="settings of resa differ"):
+        grid.merge([_write(tmp_path, "a", a), _write(tmp_path, "b", b)])
+    c = _part("star", "star", [100], [100])
+    c["samples"][0]["prompt_hash"] = "other"
+    with pytest.raises(SystemExit, match="two prompts"):
+        grid.merge([_write(tmp_path, "a", a), _write(tmp_path, "c", c)])
+
+
+def test_table_marks_the_cells_below_target_where_dense_decides():
+    result = _part("resa", "resa", [100, 0], [100, 100])
+    text, missed = table.table(result, {"resa": 0.97}, decides=50)
+    assert "| dense | niah_single_1 | 100.0 (n=2) |" in text
+    assert "| resa | niah_single_1 | **50.0 (50%)** |" in text
+    assert missed == ["resa niah_single_1 4K: 50.0 / 100.0"]
+    # Where dense cannot do the task, no target applies.
+    low = _part("resa", "resa", [0, 0], [0, 100])
+    assert table.table(low, {"resa": 0.97}, decides=60)[1] == []
+    with pytest.raises(SystemExit, match="no finished cell"):
+        grid.merge([])
