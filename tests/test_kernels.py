@@ -85,6 +85,18 @@ def test_decode_reference_matches_naive(case, window):
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 100, 5000], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
+def test_decode_cpu_one_query_matches_reference(case, window):
+    """The CPU path for one new token (SDPA over the keys it sees) against the reference that defines it."""
+    B, Hq, Hkv, D, S, lengths = case
+    q = torch.randn(B, Hq, D)
+    k, v = make_cache(B, Hkv, S, D, lengths)
+    out = decode_attention(q, k, v, torch.tensor(lengths), scale=D**-0.5, window=window)
+    ref = decode_reference(q, k, v, torch.tensor(lengths), scale=D**-0.5, window=window)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_decode_reference_bf16_accumulates_in_fp32():
     lengths = [1000, 500]
     q = torch.randn(2, 8, 64, dtype=torch.bfloat16)

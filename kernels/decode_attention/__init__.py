@@ -50,10 +50,31 @@ def decode_attention(
     bool), or a PositionMask computed from token positions inside the kernel (see the reference). Returns out
     shaped like q in q's dtype, plus lse ([B, Hq] or [B, Hq, T]) fp32 (natural log) with return_lse.
     """
+    if not q.is_cuda and q.dim() == 3 and q.dtype == torch.float32 and mask is None and q_first is None \
+            and not return_lse:
+        return _cpu_one_query(q, k_cache, v_cache, length, scale, window)
     impl = _triton_impl() if q.is_cuda else None
     impl = impl or decode_attention_reference
     return impl(q, k_cache, v_cache, length, scale=scale, window=window, q_first=q_first, mask=mask,
                 return_lse=return_lse)
+
+
+def _cpu_one_query(q, k_cache, v_cache, length, scale: float, window: int | None) -> torch.Tensor:
+    """One new token per sequence on the CPU (fp32): SDPA over exactly the keys it sees, [length - window,
+    length), with no mask. The reference reads the whole valid prefix and masks it, which for a windowed layer
+    is most of the work of a decode step (the reference stays the definition; tests compare the two)."""
+    Hq, Hkv = q.shape[1], k_cache.shape[1]
+    outs = []
+    for b, hi in enumerate(length.tolist()):
+        lo = 0 if window is None else max(0, hi - window)
+        if hi <= lo:
+            outs.append(torch.zeros_like(q[b:b + 1]))
+            continue
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[b:b + 1, :, None], k_cache[b:b + 1, :, lo:hi], v_cache[b:b + 1, :, lo:hi], scale=scale,
+            enable_gqa=Hq != Hkv)
+        outs.append(out[:, :, 0])
+    return torch.cat(outs)
 
 
 def decode_backend(device: torch.device) -> str:
