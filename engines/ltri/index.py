@@ -144,13 +144,21 @@ class Indexer:
                                  dtype=torch.long).view(-1, width, 2)
             feats = torch.cat([f for _, _, _, f, _, _ in items])
             picks = sp.cover(feats, torch.cat([v for *_, v, _ in items]), table.to(feats.device))
-            for (layer, first, keys, f, _, _), p in zip(items, picks.split([f.shape[0] for *_, f, _, _ in items])):
-                offsets = torch.arange(p.shape[0], device=p.device)[:, None] * layer.block
-                keep = p >= 0
-                rows = (p + offsets)[keep]
-                blocks = (offsets // layer.block + first).expand_as(p)[keep]
-                layer.index.add(keys[:, rows].transpose(0, 1), blocks, rows % layer.block)
-                cache.stats["blocks_indexed"] += p.shape[0]
+            # The picks come to the host once for every layer of the batch (how many vectors each layer adds
+            # is a host-side count), and their rows go back in one copy.
+            picks = picks.cpu()
+            rows, blocks, sizes = [], [], []
+            for (layer, first, _, f, _, _), p in zip(items, picks.split([f.shape[0] for *_, f, _, _ in items])):
+                block, slot = torch.nonzero(p >= 0, as_tuple=True)
+                rows.append(p[block, slot] + block * layer.block)
+                blocks.append(block + first)
+                sizes.append(block.numel())
+            n = sum(sizes)
+            at_device = torch.cat([*rows, *blocks]).to(feats.device)
+            rows, blocks = at_device[:n], at_device[n:]
+            for (layer, _, keys, f, _, _), r, b in zip(items, rows.split(sizes), blocks.split(sizes)):
+                layer.index.add(keys[:, r].transpose(0, 1), b, r % layer.block)
+                cache.stats["blocks_indexed"] += f.shape[0]
 
     def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling, cache: LtriCache) -> torch.Tensor:
         """The chunk's query index vectors [A, Hq, D]: its own causal map, block by block,
@@ -168,13 +176,18 @@ class Indexer:
         pieces = [torch.stack([amap[lo:lo + b, lo:lo + b] for lo in range(0, T - T % b, b)])] if T >= b else []
         if T % b:
             pieces.append(amap[None, T - T % b:, T - T % b:])
-        votes = amap.sum(dim=0).cpu().numpy()  # attention each token got from the chunk's later queries
+        cands = [sp.threshold_candidates(maps, self.cfg.threshold, self.cfg.ratio_mode) for maps in pieces]
+        # The votes (attention each token got from the chunk's later queries) and every piece's span candidates
+        # come to the host in one copy: one wait for the device per layer, not one per tensor.
+        host = torch.cat([amap.sum(dim=0).double(), *(c.flatten() for c in cands)]).cpu().numpy()
+        votes, at = host[:T], T
         rows, lo = [], 0
-        for maps in pieces:
-            for found in sp.divide_many(maps, self.cfg.threshold, self.cfg.iou, self.cfg.ratio_mode):
+        for maps, c in zip(pieces, cands):
+            for found in sp.spans_of(host[at:at + c.numel()].reshape(c.shape), self.cfg.iou):
                 width = maps.shape[-1]
                 rows.extend(lo + r for r in self._allocate(layer_idx, found, votes[lo:lo + width], cache))
                 lo += width
+            at += c.numel()
         picked = torch.tensor(rows, dtype=torch.long, device=query.device)
         return query[0][:, picked].transpose(0, 1)
 
@@ -204,11 +217,11 @@ class Indexer:
         `successor_tail` tokens brings the next block along, right after it: what the question matches there
         (a needle's key) may continue past the block boundary (its value), which no query of the question
         resembles. Sorted block ids."""
-        top = scores.topk(k).indices.tolist()
+        top = scores.topk(k).indices
         tail = self.cfg.successor_tail
         if not tail:
-            return sorted(top)
-        where = where[top].tolist()
+            return sorted(top.tolist())
+        top, where = torch.stack([top, where[top]]).tolist()  # one device -> host copy
         wanted: list[int] = []
         for b, w in zip(top, where):
             if len(wanted) >= k:
@@ -227,7 +240,8 @@ class Indexer:
         if not self.cfg.voting or not self.heads:
             return scores
         finite = torch.isfinite(scores)
-        lo, hi = scores[finite].min(), scores[finite].max()
+        # Masked reductions rather than scores[finite]: a boolean index waits for the device to learn its size.
+        lo, hi = scores.masked_fill(~finite, float("inf")).amin(), scores.masked_fill(~finite, float("-inf")).amax()
         own = torch.where(finite, (scores - lo) / (hi - lo).clamp(min=1e-6), 0.0)
         weight = self.heads[layer_idx][1] if layer_idx in self.heads else 0.1
         total = weight * own + sum(w * s for w, s in cache.chunk_votes)

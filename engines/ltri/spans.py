@@ -159,16 +159,28 @@ def divide_at(a: torch.Tensor, theta: float, iou: float, ratio_mode: str = "row"
 
 
 def _divide(maps: torch.Tensor, theta: torch.Tensor, iou: float, ratio_mode: str) -> list[list[Span]]:
-    n = maps.shape[-1]
+    return spans_of(candidates(maps, theta, ratio_mode).cpu().numpy(), iou)  # one device -> host copy
+
+
+def threshold_candidates(maps: torch.Tensor, threshold: float, ratio_mode: str = "row") -> torch.Tensor:
+    """divide_many's device half: `candidates` [m, 2n - 1, 4] at each map's `threshold` quantile, for callers that
+    bring them to the host along with other tensors, in one copy (`spans_of` is the host half)."""
+    return candidates(maps, quantile_threshold(maps, threshold), ratio_mode)
+
+
+def spans_of(cands: np.ndarray, iou: float) -> list[list[Span]]:
+    """The spans of each map from its candidates [m, 2n - 1, 4] on the host (`candidates`): NMS over those with
+    TA > 0, best first; the whole map when there is none."""
+    n = (cands.shape[1] + 1) // 2
     out = []
-    for cands in candidates(maps, theta, ratio_mode).cpu().numpy():  # one device -> host copy
-        cands = cands[cands[:, 2] > 0]
-        if cands.shape[0] == 0:
+    for per_map in cands:
+        per_map = per_map[per_map[:, 2] > 0]
+        if per_map.shape[0] == 0:
             # The whole map: no neighbours inside it, so fully confident.
             out.append([Span(0, n - 1, 0.0, 1.0)])
             continue
-        keep = nms(cands[:, :2].astype(np.int64), cands[:, 2], iou)
-        out.append([Span(int(cands[k, 0]), int(cands[k, 1]), float(cands[k, 2]), float(cands[k, 3]))
+        keep = nms(per_map[:, :2].astype(np.int64), per_map[:, 2], iou)
+        out.append([Span(int(per_map[k, 0]), int(per_map[k, 1]), float(per_map[k, 2]), float(per_map[k, 3]))
                     for k in keep])
     return out
 
