@@ -1,7 +1,8 @@
 """decode_attention: the newest token (or few tokens) of a sequence against a static, preallocated KV cache.
 
-CUDA tensors go to the split-KV Triton kernel (CUDA-graph capturable); everything else, or a machine without
-Triton, goes to the pure-torch reference. A few queries at once (T > 1) is the dense re-encoding step of
+CUDA tensors go to the split-KV Triton kernel (CUDA-graph capturable); one fp32 token per sequence on the CPU
+goes to SDPA over exactly the keys it sees; everything else, or a machine without Triton, goes to the pure-torch
+reference. A few queries at once (T > 1) is the dense re-encoding step of
 engines that rewrite their newest K/V (resa's rectification). `merge_partials` combines results over key
 shards by log-sum-exp.
 """
@@ -77,6 +78,9 @@ def _cpu_one_query(q, k_cache, v_cache, length, scale: float, window: int | None
     return torch.cat(outs)
 
 
-def decode_backend(device: torch.device) -> str:
-    """The implementation `decode_attention` uses for tensors on `device` (for reports)."""
-    return "triton split-KV" if device.type == "cuda" and _triton_impl() else "torch reference"
+def decode_backend(device: torch.device, one_token: bool = False) -> str:
+    """The implementation `decode_attention` uses for tensors on `device` (for reports); one_token: for calls
+    with one fp32 query per sequence, no mask, no lse (dense decoding)."""
+    if device.type == "cuda" and _triton_impl():
+        return "triton split-KV"
+    return "torch SDPA over the keys each new token sees" if one_token else "torch reference"
