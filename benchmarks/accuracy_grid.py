@@ -135,7 +135,9 @@ def merge(paths: list[Path], commands: list[str] | None = None, order: list[str]
                     differ += name == "dense" and held["results"][name]["answer"] != result["answer"]
                     continue
                 held["results"][name] = result
+    dates = sorted(d for p in parts for d in (p.get("date"), p.get("last_date")) if d)
     return {**{k: v for k, v in first.items() if k not in ("rows", "samples", "command", "commands", "partial")},
+            "date": dates[0] if dates else None, "last_date": dates[-1] if dates else None,
             "commands": commands or sorted({c for p in parts for c in p.get("commands", [p.get("command")])}),
             "engine_settings": {n: settings[n] for n in order}, "cells": sum(p.get("cells", 1) for p in parts),
             "dense_answers_differing": differ, "note": SHARED_NOTE, "rows": rows,

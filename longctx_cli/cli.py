@@ -216,30 +216,31 @@ def bench(
     if warmup_tokens is not None and warmup_tokens < 0:
         raise ConfigError(f"--warmup takes 'same' or a token count such as 16k, not {warmup!r}")
     flags = dict(device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
-    profs = _bench_profiles(profile, compare, sets, flags)
+    profs, base = _bench_profiles(profile, compare, sets, flags)
     if len(profs) > 1 and gpus > 1:
         raise ConfigError("--gpus runs one star profile; give several profiles without --gpus")
     _ranks(profs[0], gpus, model)
-    base = None if compare in (None, "none", "") or compare in profile.split(",") else profile_from_flags(
-        compare, sets, only_known=True, **flags)
     run_bench(profs, base, model=model, lengths=lengths, steps=steps, warmup_tokens=warmup_tokens, json_path=json_out,
               argv=sys.argv, tasks=task_list, samples=samples, seed=seed, depths=depth_list, plot_path=plot, layout=layout)
     distributed.finish()
 
 
-def _bench_profiles(names: str, compare: str | None, sets: list[str] | None, flags: dict) -> list:
-    """`--profile a,b,c`: each profile's engine on the same inputs, next to one baseline run. With several,
-    `--set` keys go to the profiles whose engine has them (a key none of them has is still an error); the
+def _bench_profiles(names: str, compare: str | None, sets: list[str] | None, flags: dict) -> tuple[list, object]:
+    """`--profile a,b,c` and `--compare`: the profiles whose engines run on the same inputs, and the baseline
+    run once next to them (None: --compare none, or the one profile is the baseline itself). With several
+    profiles, `--set` keys go to those whose engine has them (a key none of them has is still an error); the
     baseline named among them runs once, as the baseline."""
     listed = [n.strip() for n in names.split(",") if n.strip()]
     if not listed:
         raise ConfigError("--profile needs a profile name")
     if len(listed) != len(set(listed)):
         raise ConfigError(f"--profile names a profile twice: {names}")
-    if len(listed) > 1 and compare not in (None, "none", ""):
-        listed = [n for n in listed if n != compare] or listed
+    with_base = compare not in (None, "none", "")
+    if with_base and len(listed) > 1:
+        listed = [n for n in listed if n != compare]
+    base = profile_from_flags(compare, sets, only_known=True, **flags) if with_base and listed != [compare] else None
     if len(listed) == 1:
-        return [profile_from_flags(listed[0], sets, **flags)]
+        return [profile_from_flags(listed[0], sets, **flags)], base
     profs = [profile_from_flags(n, sets, only_known=True, **flags) for n in listed]
     if len({p.name for p in profs}) != len(profs):
         raise ConfigError(f"--profile names two profiles of the same name: {names}")
@@ -248,7 +249,7 @@ def _bench_profiles(names: str, compare: str | None, sets: list[str] | None, fla
     unknown = unknown_sets(sets, [p.engine for p in profs])
     if unknown:
         raise ConfigError(f"--set {unknown[0]}: no profile among {', '.join(listed)} has this key")
-    return profs
+    return profs, base
 
 
 @app.command()

@@ -269,6 +269,22 @@ def test_bench_short_warmup(cli, tmp_path):
     assert code == 4 and "--warmup takes" in _error_line(err)
 
 
+def test_bench_profiles_and_their_baseline():
+    """The profiles that run and the baseline run once beside them, whichever of them names dense."""
+    from longctx_cli.cli import _bench_profiles
+
+    def names(profile, compare):
+        profs, base = _bench_profiles(profile, compare, None, {})
+        return [p.name for p in profs], base and base.name
+
+    assert names("resa", "dense") == (["resa"], "dense")
+    assert names("dense", "dense") == (["dense"], None)  # dense is its own baseline
+    assert names("resa", "none") == (["resa"], None)
+    assert names("resa,dense", "dense") == (["resa"], "dense")
+    assert names("resa, star", "dense") == (["resa", "star"], "dense")
+    assert names("resa,dense", "none") == (["resa", "dense"], None)
+
+
 # --- bad input: exit 3 -------------------------------------------------------------------------------------------
 
 
