@@ -15,6 +15,8 @@ file says so.
     python benchmarks/accuracy_grid.py --model qwen2.5-coder-0.5b --profiles resa,star,ltri-stream-4k,sas-pattern \
         --tasks all --lengths 2k,4k,8k,16k,32k --samples 20 --jobs 8 --deadline 560 --out qwen.json
     python benchmarks/accuracy_grid.py --merge qwen.json more.json --out both.json   # join two grids' files
+
+`--profiles resa+star,ltri-stream` runs resa and star in one process per cell, next to one dense run.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def _cells(args) -> list[tuple[str, str, str]]:
 
 
 def _command(args, profile: str, task: str, lengths: str, out: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "longctx_cli", "bench", "--profile", profile, "--tasks", task,
+    # "a+b" is one process running both profiles next to one dense run (half the dense work of two processes).
+    cmd = [sys.executable, "-m", "longctx_cli", "bench", "--profile", profile.replace("+", ","), "--tasks", task,
            "--lengths", lengths, "--samples", str(args.samples), "--seed", str(args.seed), "--json", str(out)]
     if args.model:
         cmd += ["--model", args.model]
@@ -61,15 +64,14 @@ def run_grid(args) -> list[Path]:
     skip = _done_cells(args.resume)
     pending, running, done = [], [], []
     for profile, task, span in _cells(args):
-        left = [n for n in span.split(",") if (Path(profile).stem, task, n) not in skip]
-        if left:
+        if left := _left(profile, task, span, skip):
             pending.append((profile, task, ",".join(left)))
     deadline = time.monotonic() + args.deadline
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.jobs))}
     while pending or running:
         while pending and len(running) < args.jobs:
             cell = pending.pop(0)
-            name = "_".join((Path(cell[0]).stem, *cell[1:])).replace(",", "-")
+            name = "_".join(("+".join(Path(p).stem for p in cell[0].split("+")), *cell[1:])).replace(",", "-")
             out, log = work / f"{name}.json", open(work / f"{name}.log", "w")
             proc = subprocess.Popen(_command(args, *cell, out), stdout=subprocess.DEVNULL, stderr=log, env=env)
             running.append((proc, out, log, name, time.monotonic()))
@@ -99,6 +101,11 @@ def run_grid(args) -> list[Path]:
     return done
 
 
+def _left(profile: str, task: str, span: str, skip: set) -> list[str]:
+    """The lengths of a cell still to run: those some member of the profile group has not finished."""
+    return [n for n in span.split(",") if any((Path(p).stem, task, n) not in skip for p in profile.split("+"))]
+
+
 def _done_cells(path: str | None) -> set[tuple[str, str, str]]:
     if not path:
         return set()
@@ -121,8 +128,11 @@ def merge(paths: list[Path], commands: list[str] | None = None, order: list[str]
                 raise SystemExit(f"cannot merge: the settings of {name} differ between results")
     order = [n for n in (order or []) if n in settings] + [n for n in settings if n not in (order or [])]
     order = [n for n in order if n != "dense"] + ["dense"]
-    rows = sorted((r for p in parts for r in p["rows"]),
-                  key=lambda r: (order.index(r["profile"]), r["task"], r["length"]))
+    # A cell that ran twice (a group resumed after one member finished it) keeps its first run, like its samples.
+    unique = {}
+    for r in (r for p in parts for r in p["rows"]):
+        unique.setdefault((r["profile"], r["task"], r["length"]), r)
+    rows = sorted(unique.values(), key=lambda r: (order.index(r["profile"]), r["task"], r["length"]))
     samples, differ = {}, 0
     for part in parts:
         for record in part["samples"]:

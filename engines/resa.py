@@ -258,8 +258,11 @@ class ResaEngine(Engine):
             return out
         rectify_s = state.rectify_s + sum(b.elapsed_time(e) for b, e in state.rectify_events) / 1000
         n_blocks = cdiv(state.position, self.config.block_size)
-        out.update(decode_steps=state.steps, blocks_kept_last_step=self.config.rule.keep(n_blocks),
-                   blocks_total_last_step=n_blocks,
+        kept = self.config.rule.keep(n_blocks)
+        if kept >= n_blocks:
+            out["resa_decode"] = (f"dense: every block kept ({n_blocks} blocks; min_blocks {self.config.min_blocks}, "
+                                  f"keep_ratio {self.config.keep_ratio})")
+        out.update(decode_steps=state.steps, blocks_kept_last_step=kept, blocks_total_last_step=n_blocks,
                    kv_fraction_read=round(state.kept_tokens / state.context_tokens, 4),
                    rectifications=state.rectifications, rectification_s=round(rectify_s, 4))
         if state.cache.timed:

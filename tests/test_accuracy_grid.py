@@ -78,3 +78,22 @@ def test_table_marks_the_cells_below_target_where_dense_decides():
     assert table.table(low, {"resa": 0.97}, decides=60)[1] == []
     with pytest.raises(SystemExit, match="no finished cell"):
         grid.merge([])
+
+
+def test_grouped_profiles_run_in_one_process_and_resume_by_member(tmp_path):
+    args = grid.argparse.Namespace(profiles="resa+star,ltri-stream", tasks="niah_single_1", lengths="4k,8k",
+                                   split="task", samples=2, seed=0, model=None, set=None)
+    cells = grid._cells(args)
+    assert cells[0][0] == "ltri-stream"  # streaming engines start first
+    cmd = grid._command(args, *cells[1], tmp_path / "x.json")
+    assert cmd[cmd.index("--profile") + 1] == "resa,star"
+    done = _part("resa", "resa", [1.0], [1.0])
+    done["rows"][0]["length"] = 8192
+    star = _part("star", "star", [1.0], [1.0])
+    star["rows"][0]["length"] = 8192
+    resumed = _write(tmp_path, "resumed", grid.merge([_write(tmp_path, "a", done), _write(tmp_path, "b", star)]))
+    # Both members finished 8K; 4K is still to run for the group.
+    skip = grid._done_cells(str(resumed))
+    assert ("resa", "niah_single_1", "8192") in skip and ("star", "niah_single_1", "8192") in skip
+    assert grid._left("resa+star", "niah_single_1", "4096,8192", skip) == ["4096"]
+    assert grid._left("resa+sas-pattern", "niah_single_1", "8192", skip) == ["8192"]

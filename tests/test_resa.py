@@ -26,20 +26,29 @@ def test_keep_ratio_one_equals_dense_token_for_token(lm, story_text, centroid):
     assert counters["rectifications"] == 39 // 16 and counters["kv_fraction_read"] == 1.0
 
 
-def test_short_document_is_exactly_dense(lm, story_text):
-    """Up to min_blocks blocks (16 x 16 = 256 tokens) every block is kept by the paper's rule."""
-    doc, question = story_ids(lm, story_text, 200)
+# The paper's floor (16 blocks of 16 = 256 tokens): the shipped profile's 512 would keep every block here.
+SPARSE = {"min_blocks": 16}
+
+
+@pytest.mark.parametrize("n, settings", [pytest.param(200, SPARSE, id="paper-floor-200"),
+                                         pytest.param(1500, {}, id="shipped-floor-1500")])
+def test_short_document_is_exactly_dense(lm, story_text, n, settings):
+    """Up to min_blocks blocks every block is kept, and the report says the decode was dense."""
+    doc, question = story_ids(lm, story_text, n)
     dense, _ = greedy_answer(make_engine(lm, "dense"), doc, question, 12)
-    resa, _ = greedy_answer(make_engine(lm, "resa"), doc, question, 12)
+    engine = make_engine(lm, "resa", **settings)
+    resa, state = greedy_answer(engine, doc, question, 12)
     assert resa == dense
+    assert engine.counters(state)["resa_decode"].startswith("dense: every block kept")
 
 
 def test_sparse_decoding_reads_a_tenth_and_answers(lm, story_text):
     """~3K tokens: 10% of the blocks on the 3 global layers; the report says what was read and rectified."""
     doc, question = story_ids(lm, story_text, 3000)
-    engine = make_engine(lm, "resa")
+    engine = make_engine(lm, "resa", **SPARSE)
     tokens, state = greedy_answer(engine, doc, question, 40)
     counters = engine.counters(state)
+    assert "resa_decode" not in counters
     assert counters["sparse_layers"].startswith("3/18")
     n_blocks = cdiv(state.position, 16)
     assert counters["blocks_kept_last_step"] == cdiv(n_blocks, 10) < n_blocks
@@ -65,7 +74,7 @@ def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
     targets = doc[1:18].tolist()
     states = {}
     for every in (16, 0):
-        engine = make_engine(lm, "resa", rectify_every=every)
+        engine = make_engine(lm, "resa", rectify_every=every, **SPARSE)
         states[every] = engine.prefill(doc, reserve=question.numel() + len(targets))
         engine.teacher_forced_nll(states[every], question, targets)
     state = states[16]
@@ -123,7 +132,7 @@ def test_gpu_graph_decode_equals_eager(centroid):
     question = torch.randint(1000, lm.config.vocab_size, (9,), generator=gen)
     outs = {}
     for graph in (True, False):
-        engine = make_engine(lm, "resa", decode_graph=graph, rectify_every=8, centroid=centroid)
+        engine = make_engine(lm, "resa", decode_graph=graph, rectify_every=8, centroid=centroid, **SPARSE)
         outs[graph], state = greedy_answer(engine, doc, question, 40)
         assert engine.counters(state)["rectifications"] == 39 // 8
     assert outs[True] == outs[False]

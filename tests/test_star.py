@@ -58,19 +58,23 @@ def test_phase1_kv_equal_the_papers_augmented_blocks(lm, story_text):
 def test_short_documents_get_fewer_blocks(capsys, monkeypatch):
     """Blocks of a few hundred tokens lose needles dense finds: `blocks` gives way to min_block_size (one block
     is dense attention), except that every rank gets a block; the report says which rule cut the count."""
-    assert len(plan_blocks(10_000, StarConfig(blocks=4)).bounds) == 2
-    assert len(plan_blocks(3_000, StarConfig(blocks=4)).bounds) == 1
+    assert len(plan_blocks(40_000, StarConfig(blocks=4)).bounds) == 2
+    assert len(plan_blocks(30_000, StarConfig(blocks=4)).bounds) == 1
     assert len(plan_blocks(3_000, StarConfig(blocks=4), world=2).bounds) == 2
-    assert len(plan_blocks(40_000, StarConfig(blocks=4)).bounds) == 4
+    assert len(plan_blocks(70_000, StarConfig(blocks=4)).bounds) == 4
+    assert len(plan_blocks(10_000, StarConfig(blocks=4, min_block_size=4096)).bounds) == 2
     answers = {}
-    for profile in ("star", "dense"):
-        code, out, err = run_cli(["ask", str(SAMPLE), "What was the name of the schooner?", "-p", profile, "-n", "12",
-                                  "--json", "--state", "off"], capsys, monkeypatch)
+    # Two blocks whose anchor is the whole first block are dense attention too (the sample is ~1.4K tokens).
+    for name, args in (("star", []), ("star-2", ["--set", "min_block_size=700"]), ("dense", [])):
+        code, out, err = run_cli(["ask", str(SAMPLE), "What was the name of the schooner?", "-p", name[:5].strip("-"),
+                                  "-n", "12", "--json", "--state", "off", *args], capsys, monkeypatch)
         assert code == 0, err
-        answers[profile] = _json_answer(out)
-    assert answers["star"]["answer_ids"] == answers["dense"]["answer_ids"]
-    assert answers["star"]["counters"]["star_blocks"] == 1
-    assert "1 of 4 blocks" in answers["star"]["counters"]["star_block_rule"]
+        answers[name] = _json_answer(out)
+    for name, blocks in (("star", 1), ("star-2", 2)):
+        assert answers[name]["answer_ids"] == answers["dense"]["answer_ids"]
+        assert answers[name]["counters"]["star_blocks"] == blocks
+        rule = answers[name]["counters"]["star_block_rule"]
+        assert f"{blocks} of 4 blocks" in rule and "dense attention" in rule
 
 
 def test_block_plan_and_bad_configurations():

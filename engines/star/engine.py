@@ -136,10 +136,12 @@ class StarEngine(Engine):
         state.counters.update(star_blocks=len(layout.bounds), star_block_tokens=layout.bounds[0][1],
                               star_anchor_tokens=a, star_ranks=self.world, star_scratch_bytes=scratch_bytes)
         if self.config.block_size is None and len(layout.bounds) < self.config.blocks:
+            # Two blocks whose anchor is the whole first block: the second block sees everything before it.
+            dense = len(layout.bounds) == 1 or (len(layout.bounds) == 2 and a >= layout.bounds[0][1])
             state.counters["star_block_rule"] = (
                 f"{len(layout.bounds)} of {self.config.blocks} blocks: each at least min_block_size "
-                f"{self.config.min_block_size:,} tokens" + (" (one block is dense attention)"
-                                                           if len(layout.bounds) == 1 else ""))
+                f"{self.config.min_block_size:,} tokens" + (" (dense attention: every token sees all before it)"
+                                                           if dense else ""))
         return state
 
     def _rank_cache(self, layout: StarLayout, reserve: int) -> StarCache:
