@@ -233,30 +233,40 @@ def _random_model(preset: str, device: torch.device, dtype: torch.dtype):
 _LOADED: dict[tuple, LoadedModel] = {}
 
 
-def load_model(spec: str | None, *, device: str = "auto", dtype: str = "auto", tokenizer=None,
-               progress=lambda msg: None) -> LoadedModel:
-    """Load weights with accelerate's device_map over the local GPUs (one device on CPU).
+def load_model(spec: str | None, *, device: str = "auto", dtype: str = "auto", gpus_model: int | None = None,
+               layer_state: list[int] | None = None, tokenizer=None, progress=lambda msg: None) -> LoadedModel:
+    """Load weights with accelerate's device_map over the local GPUs (one device on CPU); with gpus_model, the
+    layers split in order over that many GPUs (longctx_cli/split.py), balanced by their weights plus
+    `layer_state` (the engine's bytes per layer, when known).
 
     Memoised per process (bench and tests run several engines and documents over one model).
     """
-    key = (spec or EMBEDDED, device, dtype)
+    key = (spec or EMBEDDED, device, dtype, gpus_model)
     if key in _LOADED:
         return dataclasses.replace(_LOADED[key], load_s=0.0)
-    _LOADED[key] = _load_model(spec, device, dtype, tokenizer, progress)
+    _LOADED[key] = _load_model(spec, device, dtype, gpus_model, layer_state, tokenizer, progress)
     return _LOADED[key]
 
 
-def _load_model(spec, device, dtype, tokenizer, progress) -> LoadedModel:
+def _load_model(spec, device, dtype, gpus_model, layer_state, tokenizer, progress) -> LoadedModel:
+    from longctx_cli.split import load_split, split_devices
+
     start = time.perf_counter()
+    split = split_devices(gpus_model, device)
     target = pick_device(device)
     torch_dtype = pick_dtype(dtype, target)
     folder = resolve_model_dir(spec, progress)
     if tokenizer is None:
         tokenizer = load_tokenizer(spec) if folder is not None else byte_tokenizer()
-    progress("loading weights")
-    if folder is None:
+    progress("loading weights" if split is None else f"loading weights over {len(split)} GPUs")
+    name = spec if folder is None else (named(spec).name if named(spec) is not None else spec)
+    if split is not None:
+        try:
+            model = load_split(load_config(spec), split, torch_dtype, folder, layer_state).eval()
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot load model from {folder or spec}: {str(exc).splitlines()[0]}") from None
+    elif folder is None:
         model = _random_model(spec[7:], target, torch_dtype)
-        name = spec
     else:
         from transformers import AutoModelForCausalLM
 
@@ -267,6 +277,5 @@ def _load_model(spec, device, dtype, tokenizer, progress) -> LoadedModel:
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load model from {folder}: {str(exc).splitlines()[0]}") from None
         model.eval()
-        name = named(spec).name if named(spec) is not None else spec
     devices = sorted({p.device for p in model.parameters()}, key=str)
     return LoadedModel(model, tokenizer, name, folder is None, time.perf_counter() - start, devices)

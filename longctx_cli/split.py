@@ -192,3 +192,23 @@ def dispatch(model, device_map: dict[str, str]):
 
     return dispatch_model(model, device_map, force_hooks=True,
                           skip_keys=getattr(model, "_skip_keys_device_placement", None))
+
+
+def free_memory(devices: list[str]) -> list[int]:
+    """Each CUDA device's free bytes now (what a split is balanced against)."""
+    return [torch.cuda.mem_get_info(torch.device(d))[0] for d in devices]
+
+
+def load_split(config, devices: list[str], dtype: torch.dtype, folder=None, layer_state: list[int] | None = None):
+    """The model split over `devices` (longctx_cli/models.py's loader for --gpus-model): a HF folder's weights
+    read straight onto their devices, or a random preset's drawn there."""
+    from transformers import AutoModelForCausalLM
+
+    split = layer_split(config, devices, dtype, layer_state, free_memory(devices))
+    if folder is not None:
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, device_map=split.device_map)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    materialise(model, split.device_map)
+    return dispatch(model, split.device_map)
