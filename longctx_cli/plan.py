@@ -150,7 +150,8 @@ def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None
     if not est["fits"]:
         most = max_tokens(profile, config)
         room = f"at most ~{most:,} tokens fit now" if most else f"the weights alone ({gib(est['weights'])}) do not fit"
-        err.print(f"[red]does not fit:[/] {room}; lower --chunk-size, use a sparser profile, or split the model over more GPUs (--gpus-model N)")
+        err.print(f"[red]does not fit:[/] {room}; lower --chunk-size, use a sparser profile, or split the model over "
+                  "more GPUs (--gpus-model N)")
         verdict = verdict or 7
     if verdict == 0:
         err.print("[green]fits[/]")

@@ -62,6 +62,23 @@ def model_parts(model) -> dict:
     return {"layers": [f"{prefix}.{i}" for i in range(len(decoder.layers))], "first": first, "last": last}
 
 
+def _parts_and_sizes(model, dtype: torch.dtype) -> tuple[dict, dict]:
+    from accelerate.utils import compute_module_sizes
+
+    return model_parts(model), compute_module_sizes(model, dtype=dtype)
+
+
+_SIZES: dict[tuple, tuple[dict, dict]] = {}
+
+
+def _named_sizes(config, dtype: torch.dtype) -> tuple[dict, dict]:
+    """model_parts and module sizes of `config`'s model, memoised (`plan` asks for many lengths)."""
+    key = (config.to_json_string(), str(dtype))
+    if key not in _SIZES:
+        _SIZES[key] = _parts_and_sizes(meta_model(config), dtype)
+    return _SIZES[key]
+
+
 def _runs(load: list[int], first: int, last: int, capacity: list[float]) -> list[range]:
     """Contiguous runs of layers, one per device (each at least one layer), minimising the sum over devices of
     bytes**2 / capacity: every device at the same fraction of its capacity where the layers allow, and the others
@@ -101,14 +118,10 @@ def layer_split(config, devices: list[str], dtype: torch.dtype, layer_state: lis
                 memory: list[int] | None = None, model=None) -> Split:
     """The decoder layers of `config` over `devices`, in order. layer_state: the engine's bytes per layer (default
     none); memory: each device's usable bytes (default equal). model: an instance to name (default a meta one)."""
-    from accelerate.utils import compute_module_sizes
-
-    model = meta_model(config) if model is None else model
-    parts = model_parts(model)
+    parts, sizes = _named_sizes(config, dtype) if model is None else _parts_and_sizes(model, dtype)
     n = len(parts["layers"])
     if len(devices) > n:
         raise ConfigError(f"--gpus-model {len(devices)}: the model has {n} decoder layers, fewer than the devices")
-    sizes = compute_module_sizes(model, dtype=dtype)
     state = layer_state or [0] * n
     load = [sizes[name] + s for name, s in zip(parts["layers"], state)]
     first, last = (sum(sizes[name] for name in parts[key]) for key in ("first", "last"))
