@@ -244,11 +244,11 @@ def load_model(spec: str | None, *, device: str = "auto", dtype: str = "auto", g
     key = (spec or EMBEDDED, device, dtype, gpus_model)
     if key in _LOADED:
         return dataclasses.replace(_LOADED[key], load_s=0.0)
-    _LOADED[key] = _load_model(spec, device, dtype, gpus_model, layer_state, tokenizer, progress)
+    _LOADED[key] = _load_model(spec, device, dtype, tokenizer, progress, gpus_model, layer_state)
     return _LOADED[key]
 
 
-def _load_model(spec, device, dtype, gpus_model, layer_state, tokenizer, progress) -> LoadedModel:
+def _load_model(spec, device, dtype, tokenizer, progress, gpus_model=None, layer_state=None) -> LoadedModel:
     from longctx_cli.split import load_split, split_devices
 
     start = time.perf_counter()

@@ -51,7 +51,9 @@ def activation_bytes(config, chunk: int, context: int, dtype_bytes: int, device:
 
 def estimate(profile, config, n_tokens: int) -> dict:
     run = profile.run
-    device = pick_device(run.device)
+    split = bool(run.gpus_model and run.gpus_model > 1)
+    # A split runs on GPUs 0..N-1 (checked against the visible ones), whatever --device auto finds here.
+    device = torch.device("cuda", 0) if split else pick_device(run.device)
     dtype_bytes = torch.tensor([], dtype=pick_dtype(run.dtype, device)).element_size()
     engine = ENGINES[profile.engine]
     capacity = n_tokens + run.max_new_tokens
@@ -61,16 +63,15 @@ def estimate(profile, config, n_tokens: int) -> dict:
                             reserve=run.max_new_tokens + QUESTION_TOKENS)
     act = activation_bytes(config, min(run.chunk_size, capacity), capacity, dtype_bytes, device)
     layers = {}
-    if run.gpus_model and run.gpus_model > 1:
+    if split:
         devices = split_devices(run.gpus_model, run.device)
         free = dict(zip(devices, free_memory(devices)))
         per_layer = layer_state_bytes(engine, config, capacity, dtype_bytes, profile.engine_config,
                                       chunk_size=run.chunk_size, reserve=run.max_new_tokens + QUESTION_TOKENS)
-        split = layer_split(config, devices, pick_dtype(run.dtype, device), per_layer, list(free.values()))
-        need = {d: w + st + act for d, w, st in zip(devices, split.weights, split.state)}
-        weights_on = dict(zip(devices, split.weights))
-        kv_on = dict(zip(devices, split.state))
-        layers = {d: f"{r.start}-{r.stop - 1}" for d, r in zip(devices, split.layers)}
+        placed = layer_split(config, devices, pick_dtype(run.dtype, device), per_layer, list(free.values()))
+        need = {d: w + st + act for d, w, st in zip(devices, placed.weights, placed.state)}
+        weights_on, kv_on = dict(zip(devices, placed.weights)), dict(zip(devices, placed.state))
+        layers = {d: f"{r.start}-{r.stop - 1}" for d, r in zip(devices, placed.layers)}
     elif device.type == "cuda":
         ids = [device.index] if device.index is not None else list(range(torch.cuda.device_count()))
         n = len(ids)
@@ -122,7 +123,8 @@ def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None
                       gib(est["kv_on"][dev]), gib(est["activations"]), gib(need), gib(est["free"][dev]),
                       "[green]yes[/]" if ok else "[red]no[/]")
     err.print(table)
-    dtype = str(pick_dtype(profile.run.dtype, pick_device(profile.run.device))).removeprefix("torch.")
+    device = torch.device("cuda") if split else pick_device(profile.run.device)
+    dtype = str(pick_dtype(profile.run.dtype, device)).removeprefix("torch.")
     err.print(f"weights: {gib(est['weights'])} ({est['weights'] / 1e9:.1f} GB) in {dtype}" +
               (f", split over {len(est['layers'])} GPUs in layer order; each layer's state on its layer's GPU"
                if split else ""))
