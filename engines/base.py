@@ -268,10 +268,14 @@ class Engine(Reuse, AnswerLoop, ABC):
         return logits
 
     def counters(self, state: DocumentState) -> dict:
-        graph = state.decode is not None and state.decode.graph is not None
-        blocks = state.decode.blocks if graph else None
+        decode = state.decode
+        segments = decode.segments if decode is not None and decode.segments is not None else None
+        per_device = segments is not None and segments.captured
+        graph = decode is not None and decode.graph is not None or per_device
+        blocks = decode.blocks if graph else None
         return {"kv_cache_bytes": state.cache.nbytes(), "kv_capacity_tokens": state.cache.capacity,
-                "decode_cuda_graph": graph, "decode_compiled_blocks": blocks is not None and blocks.compiled,
+                "decode_cuda_graph": f"one per device ({len(segments.segments)})" if per_device else graph,
+                "decode_compiled_blocks": blocks is not None and blocks.compiled,
                 "decode_fused_projections": "+".join(sorted(blocks.fused)) if blocks and blocks.fused else "none",
                 **self.backends(), **state.counters,
                 **(state.cache.positions.counters() if state.cache.positions is not None else {})}

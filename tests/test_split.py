@@ -214,3 +214,47 @@ def test_split_model_answers_as_the_unsplit_one(lm, split_lm, story_text, profil
 
 def test_every_engine_runs_split():
     assert {p for p, _ in SPLIT_RUNS} == set(ENGINES)
+
+
+class _Replayed:
+    """Stands in for a CUDA graph on CPU: replaying runs the captured function again over the same static
+    buffers, so inputs not copied into them at each step, or a segment's layers run out of order, show up."""
+
+    replays = 0
+
+    def __init__(self, run, device):
+        self.run = run
+
+    def replay(self):
+        _Replayed.replays += 1
+        self.run()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile, settings", SPLIT_RUNS, ids=lambda x: x if isinstance(x, str) else
+                         ",".join(f"{k}={v}" for k, v in x.items()) or "defaults")
+def test_per_device_graphs_answer_as_the_eager_step(lm, split_lm, story_text, profile, settings, monkeypatch):
+    """The decode step as it runs on a model split over GPUs (engines/segments.py): layers 0-8 and 9-17 as two
+    segments, each replayed from its own captured function, with fused projections swapped in for the capture."""
+    from engines.segments import SegmentedRun
+
+    doc, question = story_ids(lm, story_text, 700)
+    want, _ = greedy_answer(make_engine(lm, profile, chunk_size=256, **settings), doc, question, 8)
+    engine = make_engine(split_lm, profile, chunk_size=256, **settings)
+    cpu = [torch.device("cpu")] * 18
+    monkeypatch.setattr(engine, "_segmented_run", lambda: SegmentedRun(engine.model, cpu, _Replayed,
+                                                                       runs=[range(0, 9), range(9, 18)]))
+    monkeypatch.setattr(engine, "_decode_blocks", lambda captured, compile: _blocks(split_lm) if captured else None)
+    before = _Replayed.replays
+    got, state = greedy_answer(engine, doc, question, 8)
+    assert got == want
+    assert state.decode.segments.captured
+    assert _Replayed.replays - before >= 2 * 7  # two segments, every step after the first token
+    assert engine.counters(state)["decode_cuda_graph"] == "one per device (2)"
+    assert engine.counters(state)["decode_fused_projections"] == "gate_up+qkv"
+
+
+def _blocks(split_lm):
+    from engines.decode_blocks import DecodeBlocks
+
+    return DecodeBlocks(split_lm.model, fuse=True, compile=False)
