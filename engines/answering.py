@@ -1,6 +1,7 @@
 """The question and the decode loop every engine shares (engines/base.py Engine): the question through the chunk
-path, then one static-shape DecodeStep per token (a CUDA graph on one GPU, one per GPU for a split model), with the hooks engines use around
-steps (resa's rectification) and teacher forcing for drift measurements."""
+path, then one static-shape DecodeStep per token (a CUDA graph on one GPU, one per GPU for a model split over
+several), with the hooks engines use around steps (resa's rectification) and teacher forcing for drift
+measurements."""
 
 from __future__ import annotations
 

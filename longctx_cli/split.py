@@ -82,8 +82,8 @@ def _named_sizes(config, dtype: torch.dtype) -> tuple[dict, dict]:
 def _runs(load: list[int], first: int, last: int, capacity: list[float]) -> list[range]:
     """Contiguous runs of layers, one per device (each at least one layer), minimising the sum over devices of
     bytes**2 / capacity: every device at the same fraction of its capacity where the layers allow, and the others
-    even where one device's share is fixed by what it must hold (a large embedding). `first` and `last` are the fixed bytes of
-    the first and last devices."""
+    even where one device's share is fixed by what it must hold (a large embedding). `first` and `last` are the
+    fixed bytes of the first and last devices."""
     n, k = len(load), len(capacity)
     prefix = [0]
     for x in load:
