@@ -19,7 +19,7 @@ from engines import ENGINES
 from longctx_cli.errors import ConfigError
 from longctx_cli.models import LoadedModel, load_config, resolve_model_dir
 from longctx_cli.split import dispatch, layer_split, layer_state_bytes, materialise, model_parts
-from tests.conftest import greedy_answer, make_engine, story_ids
+from tests.conftest import greedy_answer, make_engine, run_cli, story_ids
 from tests.test_engine_contract import PLANNED
 
 
@@ -214,6 +214,39 @@ def test_split_model_answers_as_the_unsplit_one(lm, split_lm, story_text, profil
 
 def test_every_engine_runs_split():
     assert {p for p, _ in SPLIT_RUNS} == set(ENGINES)
+
+
+def test_plan_shows_each_gpu_layers_weights_and_state(capsys, monkeypatch):
+    """Two GPUs (their count and free memory stood in for; plan allocates nothing): the 70B shape's layers
+    halve, each GPU showing its weights and its layers' KV cache; with less free memory, how much fits."""
+    monkeypatch.setattr("longctx_cli.split.visible_gpus", lambda: 2)
+    monkeypatch.setenv("COLUMNS", "200")  # the whole table on one line per device
+    args = ["plan", "--model", "random:llama-3.1-70b", "--tokens", "32k", "--gpus-model", "2", "--dtype", "bfloat16"]
+    monkeypatch.setattr("longctx_cli.plan.free_memory", lambda devices: [80 * 2**30] * len(devices))
+    code, out, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0 and out.strip() == "fits", err
+    rows = [line for line in err.splitlines() if "cuda:" in line]
+    assert len(rows) == 2
+    assert "0-39" in rows[0] and "40-79" in rows[1]
+    assert all("65.71 GiB" in row and "5.01 GiB" in row for row in rows)  # weights, then the KV of 40 layers
+    assert "141.1 GB" in err and "split over 2 GPUs" in err
+    # 65.71 + 5.01 + 0.49 GiB needed per GPU, more than 90% of 75 GiB: a shorter document fits.
+    monkeypatch.setattr("longctx_cli.plan.free_memory", lambda devices: [75 * 2**30] * len(devices))
+    code, out, err = run_cli(args, capsys, monkeypatch)
+    assert code == 7 and out.strip() == "does not fit"
+    assert "tokens fit now" in err and "--gpus-model N" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "--tokens", "4k", "--gpus-model", "2"], "--gpus-model 2: only 0 GPUs visible"),
+    (["plan", "--tokens", "4k", "--set", "gpus_model=0"], "bad value for gpus_model: 0"),
+    (["plan", "--tokens", "4k", "--gpus-model", "2", "--device", "cpu"], "not cpu"),
+    (["ask", "--profile", "star", "--gpus", "2", "--gpus-model", "2", "-q", "Who?", "README.md"], "star's --gpus 2"),
+], ids=["past-visible", "zero", "cpu", "with-star-ranks"])
+def test_gpus_model_refusals(capsys, monkeypatch, args, message):
+    code, out, err = run_cli(args, capsys, monkeypatch)
+    assert code == 4 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1
 
 
 class _Replayed:
