@@ -55,7 +55,8 @@ class Segment:
         self.layers, self.device, self.graph_class = layers, device, graph_class
         self.mode = "eager"
         self.graph = None
-        self.pending: list = []
+        self.pending: list = []  # this step's (args, kwargs) per stand-in, and the hidden state the first was given
+        self.first: torch.Tensor | None = None
         self.hidden_in: torch.Tensor | None = None
         self.out: torch.Tensor | None = None
         self.loads: list[tuple[int, int, torch.Tensor]] = []  # (stand-in, leaf, static buffer) copied per step
@@ -123,13 +124,15 @@ class SegmentedRun:
     def __init__(self, model: torch.nn.Module, layer_devices: list[torch.device], graph_class=CudaGraph,
                  runs: list[range] | None = None):
         """runs: the segments' layers (default: each device's run of layers)."""
-        self.layers = model.get_decoder().layers
+        self.decoder = model.get_decoder()
+        layers = self.decoder.layers
         self.segments: list[Segment] = []
-        self.stand_ins: list[_StandIn] = []
+        stand_ins: list[_StandIn] = []
         for run in runs or device_runs(layer_devices):
-            segment = Segment(list(self.layers[run.start:run.stop]), layer_devices[run.start], graph_class)
+            segment = Segment(list(layers[run.start:run.stop]), layer_devices[run.start], graph_class)
             self.segments.append(segment)
-            self.stand_ins += [_StandIn(segment, k) for k in range(len(run))]
+            stand_ins += [_StandIn(segment, k) for k in range(len(run))]
+        self.stand_ins = torch.nn.ModuleList(stand_ins)
         self.captured = False
 
     @property
@@ -138,16 +141,14 @@ class SegmentedRun:
 
     @contextlib.contextmanager
     def _installed(self, mode: str):
-        originals = list(self.layers)
+        """The stand-ins in the layers' place (one attribute swapped: a step's host work stays small)."""
         for segment in self.segments:
             segment.mode = mode
-        for i, stand_in in enumerate(self.stand_ins):
-            self.layers[i] = stand_in
+        layers, self.decoder.layers = self.decoder.layers, self.stand_ins
         try:
             yield
         finally:
-            for i, layer in enumerate(originals):
-                self.layers[i] = layer
+            self.decoder.layers = layers
 
     def capture(self, run, restore, swapped=contextlib.nullcontext) -> None:
         """An eager run, `restore()`, then a run that captures (and replays) every segment, and `restore()`:
