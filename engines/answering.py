@@ -1,6 +1,7 @@
 """The question and the decode loop every engine shares (engines/base.py Engine): the question through the chunk
-path, then one static-shape DecodeStep per token (a CUDA graph on one GPU), with the hooks engines use around
-steps (resa's rectification) and teacher forcing for drift measurements."""
+path, then one static-shape DecodeStep per token (a CUDA graph on one GPU, one per GPU for a model split over
+several), with the hooks engines use around steps (resa's rectification) and teacher forcing for drift
+measurements."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from engines.decode_blocks import DecodeBlocks
 from engines.decoding import DecodeStep, Sampler
+from engines.segments import SegmentedRun
 
 if TYPE_CHECKING:
     from engines.base import DocumentState
@@ -73,10 +75,18 @@ class AnswerLoop:
     def _decode_step(self, state: DocumentState, sampler: Sampler) -> DecodeStep:
         if state.decode is None or state.decode.sampler != sampler:
             use_graph = self.run.decode_graph and self.single_device and self.device.type == "cuda"
+            segments = self._segmented_run()
             cache = state.cache  # not `state`: a state -> step -> state cycle would keep GiBs alive until gc
+            blocks = self._decode_blocks(use_graph or segments is not None, self.run.compile_decode)
             state.decode = DecodeStep(lambda ids, pos: self._forward(cache, ids, pos), cache, sampler,
-                                      self.device, use_graph, self._decode_blocks(use_graph, self.run.compile_decode))
+                                      self.device, use_graph, blocks, segments)
         return state.decode
+
+    def _segmented_run(self) -> SegmentedRun | None:
+        """For a model split over several GPUs: its layers replayed per device (one graph each), else None."""
+        if not self.run.decode_graph or self.single_device or any(d.type != "cuda" for d in self.devices):
+            return None
+        return SegmentedRun(self.model, [self.layer_device(i) for i in range(len(self.model.get_decoder().layers))])
 
     def _decode_blocks(self, use_graph: bool, compile: bool) -> DecodeBlocks | None:
         """The modules a captured step swaps in (one set per `compile`, shared by the engine's documents);

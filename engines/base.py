@@ -123,7 +123,9 @@ class Engine(Reuse, AnswerLoop, ABC):
         self.device = self.model.get_input_embeddings().weight.device
         self.head_dim = head_dim(self.model.config)
         self.has_sliding_layers = "sliding_attention" in layer_types(self.model.config)
-        self.single_device = len({p.device for p in self.model.parameters()}) == 1
+        # A model split over devices (accelerate's device_map) keeps each layer's state on its layer's device.
+        self.devices = sorted({p.device for p in self.model.parameters()}, key=str)
+        self.single_device = len(self.devices) == 1
         self._blocks: dict[bool, DecodeBlocks] = {}
 
     @staticmethod
@@ -250,7 +252,7 @@ class Engine(Reuse, AnswerLoop, ABC):
         cache = self.make_cache(ids.numel() + reserve, reserve)
         cache.compile_windows = self.windows_compiled(ids.numel())
         logits = self._extend(cache, ids, 0, progress)
-        synchronize(self.device)
+        synchronize(self.devices)
         return self.State(cache, ids.numel(), ids.numel(), logits, time.perf_counter() - start)
 
     def _encode_question(self, state: DocumentState, question_ids: torch.Tensor, n_new: int) -> torch.Tensor:
@@ -266,15 +268,21 @@ class Engine(Reuse, AnswerLoop, ABC):
         return logits
 
     def counters(self, state: DocumentState) -> dict:
-        graph = state.decode is not None and state.decode.graph is not None
-        blocks = state.decode.blocks if graph else None
+        decode = state.decode
+        segments = decode.segments if decode is not None and decode.segments is not None else None
+        per_device = segments is not None and segments.captured
+        graph = decode is not None and decode.graph is not None or per_device
+        blocks = decode.blocks if graph else None
         return {"kv_cache_bytes": state.cache.nbytes(), "kv_capacity_tokens": state.cache.capacity,
-                "decode_cuda_graph": graph, "decode_compiled_blocks": blocks is not None and blocks.compiled,
+                "decode_cuda_graph": f"one per device ({len(segments.segments)})" if per_device else graph,
+                "decode_compiled_blocks": blocks is not None and blocks.compiled,
                 "decode_fused_projections": "+".join(sorted(blocks.fused)) if blocks and blocks.fused else "none",
                 **self.backends(), **state.counters,
                 **(state.cache.positions.counters() if state.cache.positions is not None else {})}
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def synchronize(devices: torch.device | list[torch.device]) -> None:
+    """Wait for the work queued on a device (or on each of several: a model split over GPUs)."""
+    for device in devices if isinstance(devices, list) else [devices]:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)

@@ -132,6 +132,10 @@ class StaticKVCache(Cache):
         self.positions = None  # engines/positions.py Positions where RoPE positions are re-assigned
         self._position: dict[torch.device, torch.Tensor] = {}
         self._length: dict[torch.device, torch.Tensor] = {}
+        # Devices whose layers replay captured graphs of their own (a model split over GPUs, engines/segments.py):
+        # their copies of the step's position and length persist and are refreshed in place by begin_decode.
+        self.mirrored: list[torch.device] = []
+        self._mirrors: dict[tuple, torch.Tensor] = {}
 
     def begin_chunk(self, offset: int, n: int) -> None:
         if offset + n > self.capacity:
@@ -141,8 +145,17 @@ class StaticKVCache(Cache):
     def begin_decode(self, position: torch.Tensor, length: torch.Tensor) -> None:
         """position: [1] int64, where the new token's K/V go; length: [1] int64 = position + 1 (device)."""
         self.decoding = True
-        self._position = {position.device: position}
-        self._length = {length.device: length}
+        self._position = self._mirrored("position", position)
+        self._length = self._mirrored("length", length)
+
+    def _mirrored(self, name: str, source: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+        table = {source.device: source}
+        for device in self.mirrored:
+            key = (name, device, tuple(source.shape))
+            if key not in self._mirrors:
+                self._mirrors[key] = torch.empty_like(source, device=device)
+            table[device] = self._mirrors[key].copy_(source, non_blocking=True)
+        return table
 
     def _on(self, table: dict, device: torch.device) -> torch.Tensor:
         # Layers spread over several GPUs read their own copy (made once per step, no host sync).

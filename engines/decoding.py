@@ -1,4 +1,5 @@
-"""Sampling and the decode step: eager on CPU, captured once as a CUDA graph and replayed on GPU."""
+"""Sampling and the decode step: eager on CPU, captured once as a CUDA graph and replayed on GPU (one graph per
+device's run of layers where the model is split over GPUs: engines/segments.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.decode_blocks import DecodeBlocks
+from engines.segments import SegmentedRun
 
 
 @dataclass
@@ -68,8 +70,12 @@ class DecodeStep:
     """
 
     def __init__(self, forward, cache, sampler: Sampler, device: torch.device, use_graph: bool,
-                 blocks: DecodeBlocks | None = None):
+                 blocks: DecodeBlocks | None = None, segments: SegmentedRun | None = None):
+        """segments: a model split over devices, its layers replayed per device (then use_graph is False)."""
         self.forward, self.cache, self.sampler, self.blocks = forward, cache, sampler, blocks
+        self.segments = segments
+        if segments is not None:
+            cache.mirrored = segments.devices
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.length = torch.ones(1, dtype=torch.long, device=device)
@@ -96,6 +102,14 @@ class DecodeStep:
         self.length.fill_(position + 1)
         if self.use_graph and self.graph is None:
             self._capture()
+        elif self.segments is not None and not self.segments.captured:
+            saved = [t.clone() for t in (self.token, self.position, self.length)]
+
+            def restore() -> None:
+                for dst, src in zip((self.token, self.position, self.length), saved):
+                    dst.copy_(src)
+
+            self.segments.capture(self._step, restore, lambda: swapped(self.blocks))
 
     def _capture(self) -> None:
         saved = [t.clone() for t in (self.token, self.position, self.length)]
@@ -109,6 +123,8 @@ class DecodeStep:
     def step(self) -> None:
         if self.graph is not None:
             self.graph.replay()
+        elif self.segments is not None and self.segments.captured:
+            self.segments.replay(self._step)
         else:
             self._step()
 
@@ -123,8 +139,10 @@ class StaticForward:
     """
 
     def __init__(self, forward, cache, n: int, device: torch.device, use_graph: bool,
-                 blocks: DecodeBlocks | None = None):
-        self.forward, self.cache, self.n, self.blocks = forward, cache, n, blocks
+                 blocks: DecodeBlocks | None = None, segments: SegmentedRun | None = None):
+        self.forward, self.cache, self.n, self.blocks, self.segments = forward, cache, n, blocks, segments
+        if segments is not None:
+            cache.mirrored = segments.devices
         self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
         self.position = torch.arange(n, device=device)
         self.length = torch.full((1,), n, dtype=torch.long, device=device)
@@ -143,6 +161,9 @@ class StaticForward:
         self.length.fill_(start + self.n)
 
     def capture(self, start: int) -> None:
+        if self.segments is not None and not self.segments.captured:
+            self._load([0] * self.n, start)
+            self.segments.capture(self._run, lambda: None, lambda: swapped(self.blocks))
         if not self.use_graph or self.graph is not None:
             return
         self._load([0] * self.n, start)
@@ -153,5 +174,7 @@ class StaticForward:
         self._load(ids, start)
         if self.graph is not None:
             self.graph.replay()
+        elif self.segments is not None and self.segments.captured:
+            self.segments.replay(self._run)
         else:
             self._run()

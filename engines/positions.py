@@ -16,6 +16,7 @@ rotation is taken from the model's own rotary module, so RoPE scaling (linear, l
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -57,7 +58,10 @@ class Positions:
 
     def __init__(self, rotary, limit: int):
         self.rotary, self.limit = rotary, limit
-        self._typed = "layer_type" in inspect.signature(rotary.forward).parameters
+        # accelerate's hook (a model split over devices) wraps forward as (*args, **kwargs): read the module's own.
+        forward = getattr(rotary, "_old_forward", rotary.forward)
+        self._typed = "layer_type" in inspect.signature(forward).parameters
+        self._rotaries: dict[torch.device, torch.nn.Module] = {}
         self.shift = 0
         self._shift: dict[torch.device, torch.Tensor] = {}
         self.largest = -1  # the largest position given to the model, for the report
@@ -93,9 +97,22 @@ class Positions:
         x = torch.empty(0, dtype=torch.float32, device=positions.device)
         flat = positions.reshape(1, -1)
         args = (x, flat, "sliding_attention" if sliding else "full_attention") if self._typed else (x, flat)
-        cos, sin = self.rotary(*args)
+        cos, sin = self._rotary_on(positions.device)(*args)
         shape = (*positions.shape, cos.shape[-1])
         return cos.reshape(shape), sin.reshape(shape)
+
+    def _rotary_on(self, device: torch.device) -> torch.nn.Module:
+        """The rotary module on `device`: layers split over several devices each rotate with a copy of their own
+        (a few KB of frequencies), so no rotation crosses devices at every step."""
+        if device not in self._rotaries:
+            rotary = self.rotary
+            home = next(rotary.buffers(), torch.empty(0)).device
+            if home != device:
+                from accelerate.hooks import remove_hook_from_module
+
+                rotary = remove_hook_from_module(copy.deepcopy(rotary)).to(device)
+            self._rotaries[device] = rotary
+        return self._rotaries[device]
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, sliding: bool) -> torch.Tensor:
         """x: [B, H, R, D] un-rotated keys -> rotated at positions ([R] or [B, H, R]), in x's dtype."""

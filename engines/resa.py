@@ -170,9 +170,11 @@ class ResaEngine(Engine):
         if f and state.position + f <= state.cache.capacity:
             cache = state.cache
             use_graph = self.run.decode_graph and self.single_device and self.device.type == "cuda"
+            segments = self._segmented_run()  # a model split over GPUs: a graph per device
             # The decode step's modules (compiled ones compile once more, for f tokens).
             rectify = StaticForward(lambda ids, pos: self._forward(cache, ids, pos), cache, f, self.device,
-                                    use_graph, self._decode_blocks(use_graph, self.run.compile_decode))
+                                    use_graph, self._decode_blocks(use_graph or segments is not None,
+                                                                   self.run.compile_decode), segments)
             # Captured now, not at the first rectification, so that it never lands inside timed decoding;
             # its scratch writes go to slots the decode steps overwrite before reading them.
             rectify.capture(state.position)

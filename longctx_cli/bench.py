@@ -116,12 +116,26 @@ def _engine_input_errors():
         raise ConfigError(str(exc)) from None
 
 
+def _layer_state(profile, model: str | None, n_tokens: int) -> list[int] | None:
+    """The profile's planned state per layer at the longest length, for a model split over GPUs."""
+    if not (profile.run.gpus_model or 1) > 1:
+        return None
+    from longctx_cli.models import load_config
+    from longctx_cli.split import layer_state_bytes
+
+    run = profile.run
+    return layer_state_bytes(ENGINES[profile.engine], load_config(model), n_tokens + run.max_new_tokens,
+                             4 if run.dtype == "float32" else 2, profile.engine_config, chunk_size=run.chunk_size,
+                             reserve=run.max_new_tokens)
+
+
 def run_bench(profiles: list, baseline, *, model: str | None, lengths: str, steps: int, json_path: str | None,
               argv: list[str], warmup_tokens: int | None = None, tasks: list[str] | None = None, samples: int = 10, seed: int = 0,
               depths: list[float] | None = None, plot_path: str | None = None, layout: str = "auto") -> dict:
     """Each profile's engine, then the baseline's, on the same inputs; the model is loaded once."""
     profile = profiles[0]
-    lm = load_model(model, device=profile.run.device, dtype=profile.run.dtype,
+    lm = load_model(model, device=profile.run.device, dtype=profile.run.dtype, gpus_model=profile.run.gpus_model,
+                    layer_state=_layer_state(profile, model, max(parse_count(x) for x in lengths.split(","))),
                     progress=lambda m: err.print(f"[dim]{m}...[/]"))
     # Several ranks (star --gpus N): every rank runs the engine, the baseline runs on the query rank alone (one
     # GPU), which also prints and writes the results.

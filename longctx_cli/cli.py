@@ -13,8 +13,8 @@ from longctx_cli import __version__
 from longctx_cli.catalog import models_list, profiles_app, states_app
 from longctx_cli.clock import CLOCK
 from longctx_cli.errors import ConfigError, UsageError, clip
-from longctx_cli.options import (DEBUG, ChunkOpt, DeviceOpt, DtypeOpt, GpusOpt, MaxNewOpt, ModelOpt, ProfileOpt, SetOpt,
-                                 profile_from_flags, signals)
+from longctx_cli.options import (DEBUG, ChunkOpt, DeviceOpt, DtypeOpt, GpusModelOpt, GpusOpt, MaxNewOpt, ModelOpt,
+                                 ProfileOpt, SetOpt, profile_from_flags, signals)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Ask questions of very long documents.", pretty_exceptions_enable=False)
@@ -43,8 +43,11 @@ def _ranks(prof, gpus: int, model: str | None) -> bool:
     the world. Returns whether this process must stay quiet (a rank other than the query rank)."""
     from longctx_cli import distributed
 
+    from longctx_cli.split import check_gpus_model
+
     if gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, not {gpus}")
+    check_gpus_model(prof.run.gpus_model, prof.run.device, gpus)
     if (gpus > 1 or distributed.in_world()) and prof.engine != "star":
         raise ConfigError(f"several ranks (--gpus {gpus}) need the star engine, not {prof.engine!r}: --profile star")
     if gpus > 1 and not distributed.in_world():
@@ -89,6 +92,7 @@ def ask(
     state: Annotated[str, typer.Option(
         help="Saved document states: auto (reuse if saved, else compute and save), off, read or write.")] = "auto",
     gpus: GpusOpt = 1,
+    gpus_model: GpusModelOpt = None,
 ):
     """Answer each question about each document (or about all of them with --concat)."""
     from longctx_cli import distributed
@@ -110,7 +114,8 @@ def ask(
         check_model_spec(model)
         # Profiles are read from the engines' configurations alone, before torch and transformers load.
         opts.profile = profile_from_flags(profile, sets, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
-                                          device=device, dtype=dtype, temperature=temperature, top_p=top_p, seed=seed)
+                                          device=device, dtype=dtype, temperature=temperature, top_p=top_p, seed=seed,
+                                          gpus_model=gpus_model)
     with CLOCK.part("imports"):
         from engines import ENGINES  # noqa: F401 - torch and transformers come with it: seconds, counted as such
     opts.quiet = _ranks(opts.profile, gpus, model) or quiet
@@ -186,6 +191,7 @@ def bench(
     max_new_tokens: MaxNewOpt = None,
     layout: Annotated[str, typer.Option(help="auto, chat (template) or plain (Question:/Answer:).")] = "auto",
     gpus: GpusOpt = 1,
+    gpus_model: GpusModelOpt = None,
 ):
     """Speed (synthetic contexts) or, with --tasks, accuracy of a profile's engine next to the dense baseline;
     several profiles (--profile resa,star) run on the same inputs next to one baseline run."""
@@ -215,7 +221,8 @@ def bench(
     warmup_tokens = None if warmup == "same" else parse_count(warmup)
     if warmup_tokens is not None and warmup_tokens < 0:
         raise ConfigError(f"--warmup takes 'same' or a token count such as 16k, not {warmup!r}")
-    flags = dict(device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
+    flags = dict(device=device, dtype=dtype, chunk_size=chunk_size, max_new_tokens=max_new_tokens,
+                 gpus_model=gpus_model)
     profs, base = _bench_profiles(profile, compare, sets, flags)
     if len(profs) > 1 and gpus > 1:
         raise ConfigError("--gpus runs one star profile; give several profiles without --gpus")
@@ -264,6 +271,7 @@ def plan(
     dtype: DtypeOpt = None,
     chunk_size: ChunkOpt = None,
     max_new_tokens: MaxNewOpt = None,
+    gpus_model: GpusModelOpt = None,
 ):
     """Predict memory per device before loading any weights, with a verdict."""
     from longctx_cli.home import check_home, keep_compile_caches
@@ -272,5 +280,5 @@ def plan(
     from longctx_cli.plan import run_plan
 
     prof = profile_from_flags(profile, sets, device=device, dtype=dtype, chunk_size=chunk_size,
-                              max_new_tokens=max_new_tokens)
+                              max_new_tokens=max_new_tokens, gpus_model=gpus_model)
     raise typer.Exit(run_plan(prof, model=model, paths=paths or [], tokens=tokens))

@@ -18,38 +18,10 @@ from typing import TYPE_CHECKING
 from longctx_cli.errors import ConfigError, ModelError
 from longctx_cli.home import longctx_home
 from longctx_cli.named_models import EMBEDDED, NAMED, convert_once, converted_dir, named
+from longctx_cli.presets import RANDOM_PRESETS
 
 if TYPE_CHECKING:
     import torch
-
-
-# Random-weight presets: real shapes of the models the papers and issues benchmark with.
-RANDOM_PRESETS: dict[str, dict] = {
-    "llama-3.1-8b": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=8192),
-    ),
-    "qwen3-1.7b": dict(
-        model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-    ),
-    "gemma3-270m": dict(
-        model_type="gemma3_text", hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
-        max_position_embeddings=32768, sliding_window=512, query_pre_attn_scalar=256,
-        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3,
-    ),
-}
-
-# The 8B shape with RoPE scaled to 1M positions (llama3 rule, factor 128): streaming engines at 1M tokens.
-RANDOM_PRESETS["llama-3.1-8b-1m"] = dict(
-    RANDOM_PRESETS["llama-3.1-8b"], max_position_embeddings=1048576,
-    rope_parameters=dict(RANDOM_PRESETS["llama-3.1-8b"]["rope_parameters"], factor=128.0))
 
 
 @dataclass
@@ -261,30 +233,40 @@ def _random_model(preset: str, device: torch.device, dtype: torch.dtype):
 _LOADED: dict[tuple, LoadedModel] = {}
 
 
-def load_model(spec: str | None, *, device: str = "auto", dtype: str = "auto", tokenizer=None,
-               progress=lambda msg: None) -> LoadedModel:
-    """Load weights with accelerate's device_map over the local GPUs (one device on CPU).
+def load_model(spec: str | None, *, device: str = "auto", dtype: str = "auto", gpus_model: int | None = None,
+               layer_state: list[int] | None = None, tokenizer=None, progress=lambda msg: None) -> LoadedModel:
+    """Load weights with accelerate's device_map over the local GPUs (one device on CPU); with gpus_model, the
+    layers split in order over that many GPUs (longctx_cli/split.py), balanced by their weights plus
+    `layer_state` (the engine's bytes per layer, when known).
 
     Memoised per process (bench and tests run several engines and documents over one model).
     """
-    key = (spec or EMBEDDED, device, dtype)
+    key = (spec or EMBEDDED, device, dtype, gpus_model)
     if key in _LOADED:
         return dataclasses.replace(_LOADED[key], load_s=0.0)
-    _LOADED[key] = _load_model(spec, device, dtype, tokenizer, progress)
+    _LOADED[key] = _load_model(spec, device, dtype, tokenizer, progress, gpus_model, layer_state)
     return _LOADED[key]
 
 
-def _load_model(spec, device, dtype, tokenizer, progress) -> LoadedModel:
+def _load_model(spec, device, dtype, tokenizer, progress, gpus_model=None, layer_state=None) -> LoadedModel:
+    from longctx_cli.split import load_split, split_devices
+
     start = time.perf_counter()
+    split = split_devices(gpus_model, device)
     target = pick_device(device)
     torch_dtype = pick_dtype(dtype, target)
     folder = resolve_model_dir(spec, progress)
     if tokenizer is None:
         tokenizer = load_tokenizer(spec) if folder is not None else byte_tokenizer()
-    progress("loading weights")
-    if folder is None:
+    progress("loading weights" if split is None else f"loading weights over {len(split)} GPUs")
+    name = spec if folder is None else (named(spec).name if named(spec) is not None else spec)
+    if split is not None:
+        try:
+            model = load_split(load_config(spec), split, torch_dtype, folder, layer_state).eval()
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot load model from {folder or spec}: {str(exc).splitlines()[0]}") from None
+    elif folder is None:
         model = _random_model(spec[7:], target, torch_dtype)
-        name = spec
     else:
         from transformers import AutoModelForCausalLM
 
@@ -295,6 +277,5 @@ def _load_model(spec, device, dtype, tokenizer, progress) -> LoadedModel:
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load model from {folder}: {str(exc).splitlines()[0]}") from None
         model.eval()
-        name = named(spec).name if named(spec) is not None else spec
     devices = sorted({p.device for p in model.parameters()}, key=str)
     return LoadedModel(model, tokenizer, name, folder is None, time.perf_counter() - start, devices)

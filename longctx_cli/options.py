@@ -24,6 +24,8 @@ DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 o
 ChunkOpt = Annotated[Optional[int], typer.Option("--chunk-size", help="Prefill chunk length in tokens.")]
 GpusOpt = Annotated[int, typer.Option(
     "--gpus", help="Star only: run N ranks on this host, one per GPU (gloo processes with --device cpu).")]
+GpusModelOpt = Annotated[Optional[int], typer.Option(
+    "--gpus-model", help="Split the model's layers over N local GPUs (one model copy; profile key gpus_model).")]
 MaxNewOpt = Annotated[Optional[int], typer.Option("--max-new-tokens", "-n", help="Answer length limit.")]
 
 

@@ -14,6 +14,7 @@ from longctx_cli.errors import ConfigError
 from longctx_cli.inputs import collect_documents, iter_text, tokenize_stream
 from longctx_cli.models import load_config, load_tokenizer, max_context, pick_device, pick_dtype
 from longctx_cli.report import gib
+from longctx_cli.split import check_gpus_model, free_memory, layer_split, layer_state_bytes, split_devices
 from longctx_cli.units import parse_count
 
 err = Console(stderr=True)
@@ -50,7 +51,9 @@ def activation_bytes(config, chunk: int, context: int, dtype_bytes: int, device:
 
 def estimate(profile, config, n_tokens: int) -> dict:
     run = profile.run
-    device = pick_device(run.device)
+    split = bool(run.gpus_model and run.gpus_model > 1)
+    # A split runs on GPUs 0..N-1 (checked against the visible ones), whatever --device auto finds here.
+    device = torch.device("cuda", 0) if split else pick_device(run.device)
     dtype_bytes = torch.tensor([], dtype=pick_dtype(run.dtype, device)).element_size()
     engine = ENGINES[profile.engine]
     capacity = n_tokens + run.max_new_tokens
@@ -59,16 +62,29 @@ def estimate(profile, config, n_tokens: int) -> dict:
     kv = engine.memory_plan(config, capacity, dtype_bytes, profile.engine_config, chunk_size=run.chunk_size,
                             reserve=run.max_new_tokens + QUESTION_TOKENS)
     act = activation_bytes(config, min(run.chunk_size, capacity), capacity, dtype_bytes, device)
-    if device.type == "cuda":
+    layers = {}
+    if split:
+        devices = split_devices(run.gpus_model, run.device)
+        free = dict(zip(devices, free_memory(devices)))
+        per_layer = layer_state_bytes(engine, config, capacity, dtype_bytes, profile.engine_config,
+                                      chunk_size=run.chunk_size, reserve=run.max_new_tokens + QUESTION_TOKENS)
+        placed = layer_split(config, devices, pick_dtype(run.dtype, device), per_layer, list(free.values()))
+        need = {d: w + st + act for d, w, st in zip(devices, placed.weights, placed.state)}
+        weights_on, kv_on = dict(zip(devices, placed.weights)), dict(zip(devices, placed.state))
+        layers = {d: f"{r.start}-{r.stop - 1}" for d, r in zip(devices, placed.layers)}
+    elif device.type == "cuda":
         ids = [device.index] if device.index is not None else list(range(torch.cuda.device_count()))
         n = len(ids)
         free = {f"cuda:{i}": torch.cuda.mem_get_info(i)[0] for i in ids}
         need = {d: weights // n + kv // n + act for d in free}
+        weights_on, kv_on = {d: weights / n for d in free}, {d: kv / n for d in free}
     else:
         free = {"cpu": psutil.virtual_memory().available}
         need = {"cpu": weights + kv + act}
+        weights_on, kv_on = {"cpu": weights}, {"cpu": kv}
     return {"tokens": n_tokens, "capacity": capacity, "weights": weights, "kv": kv, "activations": act,
-            "need": need, "free": free, "max_context": max_context(config),
+            "need": need, "free": free, "max_context": max_context(config), "weights_on": weights_on,
+            "kv_on": kv_on, "layers": layers,
             "fits": all(need[d] <= MARGIN * free[d] for d in need)}
 
 
@@ -82,6 +98,7 @@ def max_tokens(profile, config) -> int:
 
 
 def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None) -> int:
+    check_gpus_model(profile.run.gpus_model, profile.run.device)
     config = load_config(model, progress=lambda m: err.print(f"[dim]{m}...[/]"))
     if tokens is not None:
         n_tokens = parse_count(tokens)
@@ -96,14 +113,21 @@ def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None
     except ValueError as exc:  # e.g. a sas pattern too irregular to analyse at this length
         raise ConfigError(f"profile {profile.name}: {exc}") from None
     table = Table(title=f"plan: {profile.name} ({profile.engine}) on {model or 'gemma3-270m'}", title_justify="left")
-    for col in ("device", "weights", "KV cache", "activations", "needed", "free", "fits"):
+    split = bool(est["layers"])
+    for col in ("device", *(("layers",) if split else ()), "weights", "KV cache", "activations", "needed", "free",
+                "fits"):
         table.add_column(col)
     for dev, need in est["need"].items():
-        share = len(est["need"])
         ok = need <= MARGIN * est["free"][dev]
-        table.add_row(dev, gib(est["weights"] / share), gib(est["kv"] / share), gib(est["activations"]), gib(need),
-                      gib(est["free"][dev]), "[green]yes[/]" if ok else "[red]no[/]")
+        table.add_row(dev, *((est["layers"][dev],) if split else ()), gib(est["weights_on"][dev]),
+                      gib(est["kv_on"][dev]), gib(est["activations"]), gib(need), gib(est["free"][dev]),
+                      "[green]yes[/]" if ok else "[red]no[/]")
     err.print(table)
+    device = torch.device("cuda") if split else pick_device(profile.run.device)
+    dtype = str(pick_dtype(profile.run.dtype, device)).removeprefix("torch.")
+    err.print(f"weights: {gib(est['weights'])} ({est['weights'] / 1e9:.1f} GB) in {dtype}" +
+              (f", split over {len(est['layers'])} GPUs in layer order; each layer's state on its layer's GPU"
+               if split else ""))
     err.print(f"document: {n_tokens:,} tokens, KV capacity {est['capacity']:,} tokens, "
               f"model context {est['max_context']:,}")
     try:
@@ -128,7 +152,8 @@ def run_plan(profile, *, model: str | None, paths: list[str], tokens: str | None
     if not est["fits"]:
         most = max_tokens(profile, config)
         room = f"at most ~{most:,} tokens fit now" if most else f"the weights alone ({gib(est['weights'])}) do not fit"
-        err.print(f"[red]does not fit:[/] {room}; lower --chunk-size, use a sparser profile, or more GPUs")
+        err.print(f"[red]does not fit:[/] {room}; lower --chunk-size, use a sparser profile, or split the model over "
+                  "more GPUs (--gpus-model N)")
         verdict = verdict or 7
     if verdict == 0:
         err.print("[green]fits[/]")

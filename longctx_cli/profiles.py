@@ -32,6 +32,9 @@ class RunSettings:
     max_new_tokens: int = 64
     dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
     device: str = "auto"
+    # Split the model's layers in order over this many local GPUs (longctx_cli/split.py); null: one device, or
+    # accelerate's own placement over every GPU for --device auto
+    gpus_model: int | None = None
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
@@ -54,6 +57,8 @@ class RunSettings:
         _require(self.dtype in DTYPES, "dtype", self.dtype, "one of " + ", ".join(DTYPES))
         device_ok = re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None
         _require(device_ok, "device", self.device, "auto, cpu, cuda or cuda:N")
+        _require(self.gpus_model is None or self.gpus_model >= 1, "gpus_model", self.gpus_model,
+                 "an integer >= 1 or null")
         _require(self.temperature >= 0, "temperature", self.temperature, "a number >= 0")
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
         _require(0 <= self.seed < 2**63, "seed", self.seed, "an integer from 0 to 2**63 - 1")

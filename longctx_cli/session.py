@@ -46,7 +46,9 @@ class Session:
 
         self.states = DocumentStates(opts.state, opts.model, opts.profile, self.run.state_cache_gib)
 
-    def ensure_engine(self):
+    def ensure_engine(self, n_tokens: int | None = None):
+        """The engine on the loaded model (loaded on first use; n_tokens: the first document's, question and
+        answer included, which a model split over GPUs balances its layers' state for)."""
         if self.engine is None:
             from engines import ENGINES
             from engines.base import EngineInputError
@@ -56,6 +58,7 @@ class Session:
             WATCH.install()
             with CLOCK.part("model load"):
                 self.lm = load_model(self.opts.model, device=self.run.device, dtype=self.run.dtype,
+                                     gpus_model=self.run.gpus_model, layer_state=self._layer_state(n_tokens),
                                      tokenizer=self.tokenizer, progress=self.say)
             self.load_s = self.lm.load_s
             cls = ENGINES[self.opts.profile.engine]
@@ -67,6 +70,18 @@ class Session:
             except NotImplementedError as exc:
                 raise ModelError(f"{exc} (model {self.lm.name})") from None
         return self.engine
+
+    def _layer_state(self, n_tokens: int | None) -> list[int] | None:
+        """The engine's planned bytes per layer for n_tokens, where the model is split over GPUs."""
+        if not (self.run.gpus_model or 1) > 1 or n_tokens is None:
+            return None
+        from engines import ENGINES
+        from longctx_cli.split import layer_state_bytes
+
+        profile = self.opts.profile
+        dtype_bytes = 4 if self.run.dtype == "float32" else 2  # auto is bf16 on the GPUs a split runs on
+        return layer_state_bytes(ENGINES[profile.engine], self.config, n_tokens, dtype_bytes, profile.engine_config,
+                                 chunk_size=self.run.chunk_size, reserve=self.run.max_new_tokens)
 
 
 def document_ids(session: Session, docs: list[Document], layout):
@@ -142,7 +157,7 @@ def read_document(session: Session, ids, reserve: int, report: Report):
     from longctx_cli.report import reset_peaks
 
     opts = session.opts
-    engine = session.ensure_engine()
+    engine = session.ensure_engine(ids.numel() + reserve)
     report.timings.load_s, session.load_s = session.load_s, 0.0  # the load shows in the first report only
     reset_peaks()
     saved = session.states.find(engine, ids, reserve, report)

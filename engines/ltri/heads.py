@@ -61,7 +61,7 @@ def score_heads(model, tokenizer, layers: list[int], samples: int = 4, n_sentenc
             lo, hi = len(head), len(head) + len(needle)
             first = ids.shape[1] - len(answer)
             for layer in layers:
-                att = out.attentions[layer][0]  # [H, T, T]
+                att = out.attentions[layer][0].to(device)  # [H, T, T]; the layer's device where split
                 top = att[:, first - 1:ids.shape[1] - 1].argmax(dim=-1)  # [H, answer]: key each head reads most
                 target = ids[0, first:]
                 copied = (top >= lo) & (top < hi) & (ids[0][top] == target[None])

@@ -73,14 +73,19 @@ class Indexer:
         the index vectors of the blocks evicted since the last flush (`pick: cover`, batched over layers)."""
         if cache.span_queue:
             queue, cache.span_queue = cache.span_queue, []
-            found_all = iter(sp.divide_many(torch.cat([maps for *_, maps in queue]), self.cfg.threshold,
-                                            self.cfg.iou, self.cfg.ratio_mode))
-            for layer, layer_idx, first, maps in queue:
-                for k in range(maps.shape[0]):
-                    found = next(found_all)
-                    layer.pending[first + k] = found
-                    self._record(layer_idx, found, cache)
-                    cache.stats["spans"] += len(found)
+            # One batch per device: a model split over GPUs keeps each layer's maps on its layer's device.
+            by_device: dict[torch.device, list] = {}
+            for item in queue:
+                by_device.setdefault(item[-1].device, []).append(item)
+            for batch in by_device.values():
+                found_all = iter(sp.divide_many(torch.cat([maps for *_, maps in batch]), self.cfg.threshold,
+                                                self.cfg.iou, self.cfg.ratio_mode))
+                for layer, layer_idx, first, maps in batch:
+                    for k in range(maps.shape[0]):
+                        found = next(found_all)
+                        layer.pending[first + k] = found
+                        self._record(layer_idx, found, cache)
+                        cache.stats["spans"] += len(found)
         if cache.pick_queue:
             queue, cache.pick_queue = cache.pick_queue, []
             self._cover(queue, cache)
@@ -137,7 +142,9 @@ class Indexer:
             ranges = [sp.slot_ranges(layer.pending.pop(first + i, None) or [sp.Span(0, b - 1, 0.0, 1.0)],
                                      self.lam(layer_idx, cache), self.cfg.min_vectors, self.cfg.max_vectors, b)
                       for i in range(n)]
-            groups.setdefault(feats.shape[-1], []).append((layer, first, keys, feats, votes.view(n, b), ranges))
+            # Batched per feature width and device (a model split over GPUs: each layer's keys on its own).
+            groups.setdefault((feats.shape[-1], feats.device), []).append(
+                (layer, first, keys, feats, votes.view(n, b), ranges))
         for items in groups.values():
             width = max(len(r) for *_, ranges in items for r in ranges)
             table = torch.tensor([r + [(0, -1)] * (width - len(r)) for *_, ranges in items for r in ranges],
@@ -244,7 +251,8 @@ class Indexer:
         lo, hi = scores.masked_fill(~finite, float("inf")).amin(), scores.masked_fill(~finite, float("-inf")).amax()
         own = torch.where(finite, (scores - lo) / (hi - lo).clamp(min=1e-6), 0.0)
         weight = self.heads[layer_idx][1] if layer_idx in self.heads else 0.1
-        total = weight * own + sum(w * s for w, s in cache.chunk_votes)
+        # Earlier layers' votes come from their own devices where the model is split (a vector per block).
+        total = weight * own + sum(w * s.to(own.device, non_blocking=True) for w, s in cache.chunk_votes)
         if layer_idx in self.heads:
             cache.chunk_votes.append((weight, own))
         return total

@@ -123,7 +123,7 @@ class StarEngine(Engine):
         scratch_bytes = 0
         if len(mine) > 1:
             logits, scratch_bytes = self._encode_later_blocks(cache, ids, layout, mine[1:], progress)
-        synchronize(self.device)
+        synchronize(self.devices)
         phase1_s = time.perf_counter() - start
         if self.world > 1:
             # Every rank's logits become the query rank's: the document's end is there.
@@ -241,7 +241,7 @@ class StarEngine(Engine):
                 produced += 1
                 yield token
         finally:
-            synchronize(self.device)
+            synchronize(self.devices)
             state.tally.phase2_s = time.perf_counter() - start
             # Forwards in phase 2: the question, then one per generated token after the first.
             tokens = state.phase2_tokens + max(0, produced - 1)
