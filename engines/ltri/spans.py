@@ -30,14 +30,14 @@ text; what follows is our reading of its prose, stated where it is a choice:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
+    """A span of a map (a tuple: the batched division makes thousands per chunk)."""
     start: int  # first token, relative to the map
     end: int  # last token, inclusive
     score: float  # thresholded triangle score (0 for the whole-map fallback)
@@ -93,20 +93,36 @@ def quantile_threshold(a: torch.Tensor, q: float) -> torch.Tensor:
 
 def nms(intervals, scores, iou_threshold: float) -> np.ndarray:
     """Greedy NMS on inclusive intervals [m, 2]; returns kept indices, best first (torchvision's semantics)."""
-    intervals, scores = np.asarray(intervals, dtype=np.int64), _np(scores)
+    intervals, scores = np.asarray(intervals, dtype=np.int64).reshape(-1, 2), _np(scores)
     order = np.argsort(-scores, kind="stable")
-    kept: list[int] = []
-    spans: list[tuple[int, int]] = []
-    for k in order.tolist():
-        s0, e0 = int(intervals[k, 0]), int(intervals[k, 1])
-        for s1, e1 in spans:
-            inter = min(e0, e1) - max(s0, s1) + 1
-            if inter > 0 and inter / ((e0 - s0 + 1) + (e1 - s1 + 1) - inter) > iou_threshold:
-                break
-        else:
-            kept.append(k)
-            spans.append((s0, e0))
-    return np.asarray(kept, dtype=np.int64)
+    ranked = intervals[order]
+    kept = _greedy_nms(ranked[None, :, 0], ranked[None, :, 1], np.ones((1, len(order)), dtype=bool), iou_threshold)
+    return order[kept[0][kept[0] >= 0]]
+
+
+def _greedy_nms(start: np.ndarray, end: np.ndarray, alive: np.ndarray, iou_threshold: float) -> np.ndarray:
+    """Greedy NMS of many maps at once. start, end: [m, C] inclusive intervals, each map's best first; alive:
+    [m, C] those taking part. Returns [m, K] the kept positions, best first (-1 past a map's last).
+
+    Round r keeps every map's best candidate still alive and drops those it overlaps by IoU above the
+    threshold: the same picks as the one-by-one greedy loop (a candidate survives exactly when no better kept
+    one suppresses it), in as many rounds as the most spans any map keeps instead of a Python step per pair.
+    The IoU is the same float64 quotient of integers as the loop's."""
+    alive = alive.copy()
+    rows = np.arange(start.shape[0])
+    length = end - start + 1
+    kept = []
+    while True:
+        has = alive.any(axis=1)
+        if not has.any():
+            break
+        best = alive.argmax(axis=1)
+        kept.append(np.where(has, best, -1))
+        s0, e0 = start[rows, best][:, None], end[rows, best][:, None]
+        inter = np.minimum(end, e0) - np.maximum(start, s0) + 1
+        union = length + length[rows, best][:, None] - inter
+        alive &= ~((inter > 0) & (inter / union > iou_threshold))  # the best suppresses itself too
+    return np.stack(kept, axis=1) if kept else np.full((start.shape[0], 0), -1)
 
 
 @functools.lru_cache(maxsize=16)
@@ -172,17 +188,20 @@ def spans_of(cands: np.ndarray, iou: float) -> list[list[Span]]:
     """The spans of each map from its candidates [m, 2n - 1, 4] on the host (`candidates`): NMS over those with
     TA > 0, best first; the whole map when there is none."""
     n = (cands.shape[1] + 1) // 2
-    out = []
-    for per_map in cands:
-        per_map = per_map[per_map[:, 2] > 0]
-        if per_map.shape[0] == 0:
-            # The whole map: no neighbours inside it, so fully confident.
-            out.append([Span(0, n - 1, 0.0, 1.0)])
-            continue
-        keep = nms(per_map[:, :2].astype(np.int64), per_map[:, 2], iou)
-        out.append([Span(int(per_map[k, 0]), int(per_map[k, 1]), float(per_map[k, 2]), float(per_map[k, 3]))
-                    for k in keep])
-    return out
+    score = cands[..., 2]
+    valid = score > 0
+    # Best first; the stable sort keeps ties in midpoint order, and the others (key +inf) go last.
+    order = np.argsort(np.where(valid, -score, np.inf), axis=1, kind="stable")
+    order = order[:, :max(1, int(valid.sum(axis=1).max(initial=0)))]  # the candidates taking part lead
+    ranked = np.take_along_axis(cands, order[..., None], axis=1)
+    kept = _greedy_nms(ranked[..., 0].astype(np.int32), ranked[..., 1].astype(np.int32),
+                       np.take_along_axis(valid, order, axis=1), iou)
+    picked = np.take_along_axis(ranked, np.maximum(kept, 0)[..., None], axis=1)
+    starts, ends = picked[..., 0].astype(np.int64).tolist(), picked[..., 1].astype(np.int64).tolist()
+    scores, confidences = picked[..., 2].tolist(), picked[..., 3].tolist()
+    # No candidate: the whole map, which has no neighbours inside it, so fully confident.
+    return [list(map(Span._make, zip(*(column[:k] for column in columns)))) or [Span(0, n - 1, 0.0, 1.0)]
+            for k, *columns in zip((kept >= 0).sum(axis=1).tolist(), starts, ends, scores, confidences)]
 
 
 def span_count(length: int, confidence: float, lam: float) -> int:
@@ -193,18 +212,23 @@ def span_count(length: int, confidence: float, lam: float) -> int:
 def allocate(found: list[Span], votes: torch.Tensor, lam: float, lo: int, hi: int) -> list[int]:
     """Rows (of the map) whose keys index it. found: spans, best first; votes: [n] attention each token got."""
     votes = _np(votes)
+    taken = np.zeros(votes.shape[0], dtype=bool)  # rows already listed: a span's picks skip them
     rows: list[int] = []
     for span in found:
         n = span_count(span.length, span.confidence, lam)
         if n:
             best = span.start + np.argsort(-votes[span.start:span.end + 1], kind="stable")[:n]
-            rows.extend(r for r in best.tolist() if r not in rows)
+            best = best[~taken[best]]
+            taken[best] = True
+            rows.extend(best.tolist())
         if len(rows) >= hi:
             break
     rows = rows[:hi]
     if len(rows) < lo:
-        rest = [r for r in np.argsort(-votes, kind="stable").tolist() if r not in rows]
-        rows.extend(rest[: lo - len(rows)])
+        taken[:] = False
+        taken[rows] = True
+        rest = np.argsort(-votes, kind="stable")
+        rows.extend(rest[~taken[rest]][: lo - len(rows)].tolist())
     return sorted(rows)
 
 

@@ -1,0 +1,109 @@
+"""ltri-stream's span division and index-row choices, batched, against the one-at-a-time Python definitions
+they replace: identical spans, picked rows and query index vectors on fixed random inputs (ties included)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engines.ltri import spans as sp
+
+
+def _nms_loop(intervals: np.ndarray, scores: np.ndarray, iou: float) -> list[int]:
+    """Greedy NMS one candidate at a time (torchvision's rule): kept indices, best first."""
+    kept, spans = [], []
+    for k in np.argsort(-scores, kind="stable").tolist():
+        s0, e0 = int(intervals[k, 0]), int(intervals[k, 1])
+        for s1, e1 in spans:
+            inter = min(e0, e1) - max(s0, s1) + 1
+            if inter > 0 and inter / ((e0 - s0 + 1) + (e1 - s1 + 1) - inter) > iou:
+                break
+        else:
+            kept.append(k)
+            spans.append((s0, e0))
+    return kept
+
+
+def _spans_loop(cands: np.ndarray, iou: float) -> list[list[tuple]]:
+    n = (cands.shape[1] + 1) // 2
+    out = []
+    for per_map in cands:
+        per_map = per_map[per_map[:, 2] > 0]
+        if per_map.shape[0] == 0:
+            out.append([(0, n - 1, 0.0, 1.0)])
+            continue
+        keep = _nms_loop(per_map[:, :2].astype(np.int64), per_map[:, 2], iou)
+        out.append([(int(per_map[k, 0]), int(per_map[k, 1]), float(per_map[k, 2]), float(per_map[k, 3]))
+                    for k in keep])
+    return out
+
+
+def _allocate_loop(found, votes: np.ndarray, lam: float, lo: int, hi: int) -> list[int]:
+    rows: list[int] = []
+    for span in found:
+        n = sp.span_count(span.length, span.confidence, lam)
+        if n:
+            best = span.start + np.argsort(-votes[span.start:span.end + 1], kind="stable")[:n]
+            rows.extend(r for r in best.tolist() if r not in rows)
+        if len(rows) >= hi:
+            break
+    rows = rows[:hi]
+    if len(rows) < lo:
+        rest = [r for r in np.argsort(-votes, kind="stable").tolist() if r not in rows]
+        rows.extend(rest[: lo - len(rows)])
+    return sorted(rows)
+
+
+def _maps(m: int, n: int, seed: int, kind: str) -> torch.Tensor:
+    """[m, n, n] causal maps summed over 4 heads: softmax attention of random queries and keys (`softmax`),
+    with repeated key groups (`blocks`: triangles), or small integers (`ties`: many equal scores)."""
+    g = torch.Generator().manual_seed(seed)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    if kind == "ties":
+        return torch.randint(0, 3, (m, n, n), generator=g).double().masked_fill(~causal, 0.0)
+    q, k = torch.randn(m, 4, n, 16, generator=g), torch.randn(m, 4, n, 16, generator=g)
+    if kind == "blocks":
+        k = k[:, :, torch.arange(n) // 9 * 9] + 0.3 * k
+        q = k + 0.5 * q
+    s = (q @ k.transpose(-1, -2) / 4).masked_fill(~causal, float("-inf"))
+    return torch.softmax(s, dim=-1).sum(dim=1)
+
+
+CASES = [pytest.param(m, n, kind, id=f"m{m}-n{n}-{kind}")
+         for m, n, kind in [(1, 1, "softmax"), (3, 2, "softmax"), (8, 63, "softmax"), (12, 128, "softmax"),
+                            (6, 128, "blocks"), (5, 77, "ties"), (2, 200, "blocks")]]
+
+
+@pytest.mark.parametrize("m, n, kind", CASES)
+@pytest.mark.parametrize("iou", [0.01, 0.1, 0.5])
+@pytest.mark.parametrize("threshold", [0.5, 0.9])
+def test_spans_equal_the_one_at_a_time_nms(m, n, kind, iou, threshold):
+    maps = _maps(m, n, 42 + n, kind)
+    cands = sp.threshold_candidates(maps, threshold, "rowcol").numpy()
+    got = [[(s.start, s.end, s.score, s.confidence) for s in spans] for spans in sp.spans_of(cands, iou)]
+    assert got == _spans_loop(cands, iou)
+    assert all(type(s.start) is int and type(s.score) is float for spans in sp.spans_of(cands, iou) for s in spans)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("iou", [0.01, 0.1, 0.5, 0.9])
+def test_nms_equals_the_loop_with_tied_scores(seed, iou):
+    rng = np.random.default_rng(seed)
+    start = rng.integers(0, 100, 300)
+    intervals = np.stack([start, start + rng.integers(0, 40, 300)], axis=1)
+    scores = rng.integers(1, 6, 300).astype(np.float64)  # many ties: the stable order decides
+    assert sp.nms(intervals, scores, iou).tolist() == _nms_loop(intervals, scores, iou)
+    assert sp.nms(np.zeros((0, 2)), np.zeros(0), iou).tolist() == []
+
+
+@pytest.mark.parametrize("m, n, kind", CASES)
+@pytest.mark.parametrize("lam, lo, hi", [(3.0, 12, 48), (20.0, 12, 48), (0.5, 4, 12), (3.0, 200, 300)])
+def test_allocated_rows_equal_the_loop(m, n, kind, lam, lo, hi):
+    maps = _maps(m, n, 7 + n, kind)
+    found = sp.divide_many(maps, 0.9, 0.1, "row")
+    votes = maps.sum(dim=1)
+    if kind == "ties":
+        votes = votes.round()  # tied votes: the stable order decides
+    for spans, v in zip(found, votes):
+        assert sp.allocate(spans, v, lam, lo, hi) == _allocate_loop(spans, v.double().numpy(), lam, lo, hi)
