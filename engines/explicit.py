@@ -24,5 +24,6 @@ def score_slices(query: torch.Tensor, key: torch.Tensor, scale: float,
     for lo in range(0, T, QUERY_SLICE):
         t = min(QUERY_SLICE, T - lo)
         q = query[:, :, lo:lo + t].float().view(B, hkv, Hq // hkv, t, D)
-        s = torch.matmul(q, k_t) * scale
-        yield lo, t, q, s.masked_fill(~visible(lo, t), float("-inf"))
+        # In place: the [.., t, W] scores are the largest temporaries of the attention; one of them per slice.
+        s = torch.matmul(q, k_t).mul_(scale)
+        yield lo, t, q, s.masked_fill_(~visible(lo, t), float("-inf"))

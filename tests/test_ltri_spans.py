@@ -107,3 +107,55 @@ def test_allocated_rows_equal_the_loop(m, n, kind, lam, lo, hi):
         votes = votes.round()  # tied votes: the stable order decides
     for spans, v in zip(found, votes):
         assert sp.allocate(spans, v, lam, lo, hi) == _allocate_loop(spans, v.double().numpy(), lam, lo, hi)
+
+
+def _layer(positions):
+    from types import SimpleNamespace
+
+    from engines.ltri.cache import LtriLayer
+
+    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None,
+                            positions=positions)
+    layer = LtriLayer(owner, n_init=4, n_retrieved=5 * 4, n_local=8, block=4, room=8, window=None, retrieve=True)
+    layer.lazy_initialization(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3))
+    for b in range(12):  # twelve evicted blocks, block b filled with the value b
+        layer.memory.add(torch.full((2, 4, 3), float(b)), torch.full((2, 4, 3), -float(b)))
+    return layer
+
+
+def _load_blocks_loop(layer, wanted):
+    """load_blocks and order_slots one slot at a time: the definition the batched writes follow."""
+    keep = set(wanted)
+    free = [s for s, b in enumerate(layer.slots) if b not in keep]
+    missing = [b for b in wanted if b not in layer.slots]
+    for s, b in zip(free, missing):
+        rows = slice(layer.n_init + s * layer.block, layer.n_init + (s + 1) * layer.block)
+        layer.memory.load(b, layer.keys[0, :, rows], layer.values[0, :, rows])
+        start = layer.n_init + b * layer.block
+        layer.key_pos[rows] = torch.arange(start, start + layer.block)
+        layer.slots[s] = b
+    for s in free[len(missing):]:
+        layer.key_pos[layer.n_init + s * layer.block:layer.n_init + (s + 1) * layer.block] = -1
+        layer.slots[s] = -1
+    rank = {b: k for k, b in enumerate(sorted(b for b in layer.slots if b >= 0))}
+    at = torch.arange(layer.local0)
+    for s, b in enumerate(layer.slots):
+        if b >= 0:
+            lo = layer.n_init + s * layer.block
+            at[lo:lo + layer.block] = layer.n_init + rank[b] * layer.block + torch.arange(layer.block)
+    layer.front_at.copy_(at)
+
+
+def test_slot_loads_and_positions_equal_the_loop():
+    """Random retrievals (empty, partial, repeated, full): the same slots, rows, positions and `front_at`."""
+    rng = np.random.default_rng(42)
+    got, want = _layer(object()), _layer(object())
+    for step in range(40):
+        wanted = sorted(rng.choice(12, size=int(rng.integers(0, 6)), replace=False).tolist())
+        if step % 7 == 3:
+            wanted = [b for b in got.slots if b >= 0][:2]  # blocks already held
+        got.load_blocks(wanted)
+        _load_blocks_loop(want, wanted)
+        assert got.slots == want.slots
+        for name in ("keys", "values", "key_pos", "front_at"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (step, name)

@@ -59,10 +59,9 @@ def softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_ow
     own = torch.zeros(n_own, n_own, dtype=torch.float32, device=query.device)
     slices = []  # exact: per query slice (lo, t, q, online-softmax state over the rows)
 
-    def visible(lo, t):
-        return (kp >= 0) & (kp <= torch.arange(offset + lo, offset + lo + t, device=query.device)[:, None])
-
-    for lo, t, q, s in score_slices(query, key[:, :, :width], scaling, visible):
+    # Built once for the chunk's queries [T, width] and sliced, rather than once per query slice.
+    seen = (kp >= 0) & (kp <= torch.arange(offset, offset + T, device=query.device)[:, None])
+    for lo, t, q, s in score_slices(query, key[:, :, :width], scaling, lambda lo, t: seen[lo:lo + t]):
         p = torch.softmax(s, dim=-1)
         if exact:  # finished below, once every stored block has been merged in
             slices.append((lo, t, q, _softmax_state(s, v[:, :, None])))

@@ -174,34 +174,40 @@ class LtriLayer(OwnedRowsLayer):
     def load_blocks(self, wanted: list[int]) -> int:
         """Makes the retrieval slots hold exactly `wanted` (block ids); blocks already there stay. Returns
         the bytes copied host -> device."""
-        keep = set(wanted)
+        keep, held = set(wanted), set(self.slots)
         free = [s for s, b in enumerate(self.slots) if b not in keep]
-        missing = [b for b in wanted if b not in self.slots]
+        missing = [b for b in wanted if b not in held]
         copied = 0
         for s, b in zip(free, missing):
+            # One asynchronous copy per block, straight from its place in (pinned) context memory.
             rows = slice(self.n_init + s * self.block, self.n_init + (s + 1) * self.block)
             copied += self.memory.load(b, self.keys[0, :, rows], self.values[0, :, rows])
-            start = self.n_init + b * self.block
-            self.key_pos[rows] = torch.arange(start, start + self.block, device=self.device)
             self.slots[s] = b
         for s in free[len(missing):]:
-            self.key_pos[self.n_init + s * self.block:self.n_init + (s + 1) * self.block] = -1
             self.slots[s] = -1
+        if free:
+            self.key_pos[self.n_init:self.local0].copy_(self._slot_positions(), non_blocking=True)
         self.order_slots()
         return copied
+
+    def _slot_positions(self) -> torch.Tensor:
+        """[n_retrieved] (host) each slot row's document position (-1: empty slot), in one copy to the device."""
+        ids = torch.tensor(self.slots)[:, None]
+        at = self.n_init + ids * self.block + torch.arange(self.block)
+        return at.masked_fill(ids < 0, -1).flatten()
 
     def order_slots(self) -> None:
         """`front_at` for the slots as they are: the k-th retrieved block in document order takes the k-th block
         of positions after the init tokens (a needle cut by a block boundary reads on in order)."""
         if self.owner.positions is None:
             return
-        rank = {b: k for k, b in enumerate(sorted(b for b in self.slots if b >= 0))}
-        at = torch.arange(self.local0)
-        for s, b in enumerate(self.slots):
-            if b >= 0:
-                lo = self.n_init + s * self.block
-                at[lo:lo + self.block] = self.n_init + rank[b] * self.block + torch.arange(self.block)
-        self.front_at.copy_(at, non_blocking=True)
+        ids = torch.tensor(self.slots)
+        # Rank of each slot's block in document order: empty slots (-1) sort first, so they are counted out.
+        rank = ids.argsort(stable=True).argsort() - (ids < 0).sum()
+        at = self.n_init + rank[:, None] * self.block + torch.arange(self.block)
+        front = torch.cat([torch.arange(self.n_init), at.flatten()])
+        held = torch.cat([torch.ones(self.n_init, dtype=torch.bool), (ids >= 0).repeat_interleave(self.block)])
+        self.front_at.copy_(torch.where(held, front, torch.arange(self.local0)), non_blocking=True)
 
     def nbytes(self) -> int:
         """Device-side state: the bounded rows (K, V, positions, votes) and the index memory."""

@@ -9,6 +9,8 @@ Stored-side span division is queued per layer and run once per chunk for all lay
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engines.ltri import spans as sp
@@ -19,12 +21,19 @@ _FIRST_LAYERS = 4  # "the lam value for the first four layers is assigned as 20"
 _CALIBRATION_SPANS = 4096  # most recent spans per layer kept for the lam lookup
 
 
+@functools.lru_cache(maxsize=8)
+def _above_diagonal(n: int, device: torch.device) -> torch.Tensor:
+    """[n, n] True above the diagonal (the keys a causal query does not see), made once per size and device."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+
+
 class Indexer:
     def __init__(self, config, text_config, heads: dict[int, tuple[int, float]] | None = None):
         """heads: {layer: (query head, retrieval score)}, from engines/ltri/heads.py (None: all heads)."""
         self.cfg = config
         self.n_heads = text_config.num_attention_heads
         self.heads = heads or {}
+        self._weights: dict[tuple, torch.Tensor] = {}  # head_weights by (retrieval layer or None, device)
 
     def lam(self, layer_idx: int, cache: LtriCache) -> float:
         if layer_idx < _FIRST_LAYERS:
@@ -47,10 +56,13 @@ class Indexer:
 
     def head_weights(self, layer_idx: int, device: torch.device) -> torch.Tensor:
         """[Hq] weights of the query heads in retrieval: the layer's retrieval head, else all alike."""
-        w = torch.full((self.n_heads,), 1.0 / self.n_heads, device=device)
-        if layer_idx in self.heads:
-            w.zero_()[self.heads[layer_idx][0]] = 1.0
-        return w
+        key = (layer_idx if layer_idx in self.heads else None, device)
+        if key not in self._weights:  # made once per layer and device: three launches fewer per retrieval
+            w = torch.full((self.n_heads,), 1.0 / self.n_heads, device=device)
+            if layer_idx in self.heads:
+                w.zero_()[self.heads[layer_idx][0]] = 1.0
+            self._weights[key] = w
+        return self._weights[key]
 
     def note_spans(self, layer: LtriLayer, layer_idx: int, own: torch.Tensor, start: int, cache: LtriCache) -> None:
         """Queues for span division every block completed inside the chunk. own: [n, n] the chunk's map over
@@ -175,12 +187,14 @@ class Indexer:
         end = layer.width
         q = query[0].float().view(hkv, Hq // hkv, T, D)
         k = key[0, :, end - T:end].float()
-        s = torch.matmul(q, k[:, None].transpose(-1, -2)) * scaling  # [Hkv, G, T, T]
-        causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
-        amap = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).sum(dim=(0, 1))
-        # Divided block by block, like the stored side (a shorter last piece on its own).
+        s = torch.matmul(q, k[:, None].transpose(-1, -2)).mul_(scaling)  # [Hkv, G, T, T]
+        amap = torch.softmax(s.masked_fill_(_above_diagonal(T, query.device), float("-inf")), dim=-1).sum(dim=(0, 1))
+        # Divided block by block, like the stored side (a shorter last piece on its own); the diagonal blocks
+        # of the whole ones are gathered in one copy.
         b = layer.block
-        pieces = [torch.stack([amap[lo:lo + b, lo:lo + b] for lo in range(0, T - T % b, b)])] if T >= b else []
+        nb = T // b
+        whole = amap[:nb * b, :nb * b].unflatten(0, (nb, b)).unflatten(2, (nb, b)).diagonal(dim1=0, dim2=2)
+        pieces = [whole.permute(2, 0, 1).contiguous()] if nb else []
         if T % b:
             pieces.append(amap[None, T - T % b:, T - T % b:])
         cands = [sp.threshold_candidates(maps, self.cfg.threshold, self.cfg.ratio_mode) for maps in pieces]
