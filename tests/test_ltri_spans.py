@@ -159,3 +159,11 @@ def test_slot_loads_and_positions_equal_the_loop():
         assert got.slots == want.slots
         for name in ("keys", "values", "key_pos", "front_at"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (step, name)
+
+
+@pytest.mark.parametrize("n, lo, count, b", [(512, 0, 4, 128), (300, 44, 2, 128), (9, 1, 4, 2), (5, 0, 1, 5)])
+def test_diagonal_blocks_equal_a_stack_of_slices(n, lo, count, b):
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(42))
+    want = torch.stack([a[lo + k * b:lo + (k + 1) * b, lo + k * b:lo + (k + 1) * b] for k in range(count)])
+    got = sp.diagonal_blocks(a, lo, count, b)
+    assert torch.equal(got, want) and got.is_contiguous()

@@ -58,10 +58,9 @@ class Indexer:
         """[Hq] weights of the query heads in retrieval: the layer's retrieval head, else all alike."""
         key = (layer_idx if layer_idx in self.heads else None, device)
         if key not in self._weights:  # made once per layer and device: three launches fewer per retrieval
-            w = torch.full((self.n_heads,), 1.0 / self.n_heads, device=device)
+            w = self._weights[key] = torch.full((self.n_heads,), 1.0 / self.n_heads, device=device)
             if layer_idx in self.heads:
                 w.zero_()[self.heads[layer_idx][0]] = 1.0
-            self._weights[key] = w
         return self._weights[key]
 
     def note_spans(self, layer: LtriLayer, layer_idx: int, own: torch.Tensor, start: int, cache: LtriCache) -> None:
@@ -76,8 +75,7 @@ class Indexer:
         if count <= 0:
             return
         lo = layer.n_init + first * b - start
-        blocks = torch.stack([own[lo + k * b:lo + (k + 1) * b, lo + k * b:lo + (k + 1) * b] for k in range(count)])
-        cache.span_queue.append((layer, layer_idx, first, blocks))
+        cache.span_queue.append((layer, layer_idx, first, sp.diagonal_blocks(own, lo, count, b)))
 
     @torch.inference_mode()
     def flush(self, cache: LtriCache) -> None:
@@ -189,12 +187,9 @@ class Indexer:
         k = key[0, :, end - T:end].float()
         s = torch.matmul(q, k[:, None].transpose(-1, -2)).mul_(scaling)  # [Hkv, G, T, T]
         amap = torch.softmax(s.masked_fill_(_above_diagonal(T, query.device), float("-inf")), dim=-1).sum(dim=(0, 1))
-        # Divided block by block, like the stored side (a shorter last piece on its own); the diagonal blocks
-        # of the whole ones are gathered in one copy.
+        # Divided block by block, like the stored side (a shorter last piece on its own).
         b = layer.block
-        nb = T // b
-        whole = amap[:nb * b, :nb * b].unflatten(0, (nb, b)).unflatten(2, (nb, b)).diagonal(dim1=0, dim2=2)
-        pieces = [whole.permute(2, 0, 1).contiguous()] if nb else []
+        pieces = [sp.diagonal_blocks(amap, 0, T // b, b)] if T >= b else []
         if T % b:
             pieces.append(amap[None, T - T % b:, T - T % b:])
         cands = [sp.threshold_candidates(maps, self.cfg.threshold, self.cfg.ratio_mode) for maps in pieces]

@@ -52,6 +52,13 @@ def _np(a) -> np.ndarray:
     return a.detach().cpu().double().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float64)
 
 
+def diagonal_blocks(a: torch.Tensor, lo: int, count: int, b: int) -> torch.Tensor:
+    """The maps of `count` consecutive b-token blocks on the diagonal of a [n, n], from row/column lo: [count,
+    b, b], gathered in one copy (a stack of slices takes one per block)."""
+    square = a[lo:lo + count * b, lo:lo + count * b].unflatten(0, (count, b)).unflatten(2, (count, b))
+    return square.diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous()
+
+
 def prefix_sums(a: torch.Tensor) -> torch.Tensor:
     """a: [..., n, n] -> P [..., n + 1, n + 1] with P[r + 1, c + 1] = sum of a[:r + 1, :c + 1] (float64)."""
     p = a.new_zeros((*a.shape[:-2], a.shape[-2] + 1, a.shape[-1] + 1), dtype=torch.float64)
