@@ -109,17 +109,19 @@ def test_allocated_rows_equal_the_loop(m, n, kind, lam, lo, hi):
         assert sp.allocate(spans, v, lam, lo, hi) == _allocate_loop(spans, v.double().numpy(), lam, lo, hi)
 
 
-def _layer(positions):
+def _layer(positions, fp8=False):
     from types import SimpleNamespace
 
     from engines.ltri.cache import LtriLayer
 
     owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None,
                             positions=positions)
-    layer = LtriLayer(owner, n_init=4, n_retrieved=5 * 4, n_local=8, block=4, room=8, window=None, retrieve=True)
+    layer = LtriLayer(owner, n_init=4, n_retrieved=5 * 4, n_local=8, block=4, room=8, window=None, retrieve=True,
+                      fp8_memory=fp8)
     layer.lazy_initialization(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3))
-    for b in range(12):  # twelve evicted blocks, block b filled with the value b
-        layer.memory.add(torch.full((2, 4, 3), float(b)), torch.full((2, 4, 3), -float(b)))
+    g = torch.Generator().manual_seed(0)
+    for b in range(12):  # twelve evicted blocks of distinct random keys and values
+        layer.memory.add(torch.randn(2, 4, 3, generator=g) + b, torch.randn(2, 4, 3, generator=g) - b)
     return layer
 
 
@@ -146,10 +148,11 @@ def _load_blocks_loop(layer, wanted):
     layer.front_at.copy_(at)
 
 
-def test_slot_loads_and_positions_equal_the_loop():
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
+def test_slot_loads_and_positions_equal_the_loop(fp8):
     """Random retrievals (empty, partial, repeated, full): the same slots, rows, positions and `front_at`."""
     rng = np.random.default_rng(42)
-    got, want = _layer(object()), _layer(object())
+    got, want = _layer(object(), fp8), _layer(object(), fp8)
     for step in range(40):
         wanted = sorted(rng.choice(12, size=int(rng.integers(0, 6)), replace=False).tolist())
         if step % 7 == 3:

@@ -177,17 +177,29 @@ class LtriLayer(OwnedRowsLayer):
         keep, held = set(wanted), set(self.slots)
         free = [s for s, b in enumerate(self.slots) if b not in keep]
         missing = [b for b in wanted if b not in held]
-        copied = 0
+        copied = self._fill(free[:len(missing)], missing)
         for s, b in zip(free, missing):
-            # One asynchronous copy per block, straight from its place in (pinned) context memory.
-            rows = slice(self.n_init + s * self.block, self.n_init + (s + 1) * self.block)
-            copied += self.memory.load(b, self.keys[0, :, rows], self.values[0, :, rows])
             self.slots[s] = b
         for s in free[len(missing):]:
             self.slots[s] = -1
         if free:
             self.key_pos[self.n_init:self.local0].copy_(self._slot_positions(), non_blocking=True)
         self.order_slots()
+        return copied
+
+    def _fill(self, slots: list[int], blocks: list[int]) -> int:
+        """Copies the given blocks into the given slots; returns the bytes moved host -> device. Each block lands
+        by one asynchronous copy in a contiguous buffer (a slot's rows are strided over the heads, which would
+        cost a staging copy per block), and the buffer goes to its slots in one index_copy_ for K and one for V."""
+        if not blocks:
+            return 0
+        heads, dim = self.keys.shape[1], self.keys.shape[3]
+        k = torch.empty(len(blocks), heads, self.block, dim, dtype=self.dtype, device=self.device)
+        v = torch.empty_like(k)
+        copied = sum(self.memory.load(b, k[j], v[j]) for j, b in enumerate(blocks))
+        at = torch.tensor(slots).to(self.device, non_blocking=True)
+        for buf, src in ((self.keys, k), (self.values, v)):
+            buf[0, :, self.n_init:self.local0].view(heads, -1, self.block, dim).index_copy_(1, at, src.transpose(0, 1))
         return copied
 
     def _slot_positions(self) -> torch.Tensor:
