@@ -2,8 +2,9 @@
 
 Scoring is batched torch on the maps' own device (all blocks of a chunk at once: threshold, triangle scores,
 the anti-diagonal filter and every candidate's confidence); only the candidates, at most 2n - 1 per map, go to
-the host for the greedy NMS, which is sequential by nature. The paper's equations are not in our copy of the
-text; what follows is our reading of its prose, stated where it is a choice:
+the host for the greedy NMS, run for every map at once in numpy rounds (one kept span per map a round). The
+paper's equations are not in our copy of the text; what follows is our reading of its prose, stated where it
+is a choice:
 
 - The map A [n, n] is the block's causal attention (queries x keys of the same tokens), summed over heads.
 - Threshold (Eq. 5): theta is the `threshold` quantile of A's causal cells (the paper: ~90th percentile);
@@ -111,10 +112,9 @@ def _greedy_nms(start: np.ndarray, end: np.ndarray, alive: np.ndarray, iou_thres
     """Greedy NMS of many maps at once. start, end: [m, C] inclusive intervals, each map's best first; alive:
     [m, C] those taking part. Returns [m, K] the kept positions, best first (-1 past a map's last).
 
-    Round r keeps every map's best candidate still alive and drops those it overlaps by IoU above the
-    threshold: the same picks as the one-by-one greedy loop (a candidate survives exactly when no better kept
-    one suppresses it), in as many rounds as the most spans any map keeps instead of a Python step per pair.
-    The IoU is the same float64 quotient of integers as the loop's."""
+    Each round keeps every map's best candidate still alive and drops those it overlaps by IoU above the
+    threshold: the picks of the one-by-one greedy loop (a candidate survives exactly when no better kept one
+    suppresses it), in as many rounds as the most spans a map keeps; the IoU is the loop's float64 quotient."""
     alive = alive.copy()
     rows = np.arange(start.shape[0])
     length = end - start + 1
