@@ -26,7 +26,7 @@ def test_keep_ratio_one_equals_dense_token_for_token(lm, story_text, centroid):
     assert counters["rectifications"] == 39 // 16 and counters["kv_fraction_read"] == 1.0
 
 
-# The paper's floor (16 blocks of 16 = 256 tokens): the shipped profile's 512 would keep every block here.
+# The paper's floor (16 blocks of 16 = 256 tokens): the shipped profile's 1,024 would keep every block here.
 SPARSE = {"min_blocks": 16}
 
 
