@@ -15,6 +15,7 @@ import cProfile
 import io
 import json
 import pstats
+import sys
 import time
 
 import torch
@@ -23,16 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 from engines import ENGINES
 from longctx_cli.home import longctx_home
 from longctx_cli.models import load_model
-from longctx_cli.profiles import resolve_profile
+from longctx_cli.options import profile_from_flags
 from longctx_cli.units import parse_count
-
-
-def _settings(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        out[key] = json.loads(value) if value[:1] in "-0123456789[{tfn\"" else value
-    return out
 
 
 def _kernels(p, rows: int) -> tuple[float, int, list]:
@@ -72,10 +65,10 @@ def main() -> None:
     ids = torch.randint(1000, 20000, (n,))
     results = []
     for chunk in map(int, args.chunks.split(",")):
-        prof = resolve_profile(args.profile, {**_settings(args.set), "chunk_size": chunk})
+        prof = profile_from_flags(args.profile, args.set, chunk_size=chunk)
         engine = ENGINES[prof.engine](lm, prof.engine_config, prof.run, home=longctx_home())
 
-        def run():
+        def run(engine=engine):
             engine.prefill(ids, reserve=16)
             sync()
         t = time.perf_counter()
@@ -102,8 +95,7 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
     if args.json:
-        meta = {"command": "python benchmarks/profile_prefill.py " + " ".join(
-                    f"--{k} {v}" for k, v in vars(args).items() if v not in (None, False, [])),
+        meta = {"command": " ".join(["python", *sys.argv]),
                 "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
                 "date": time.strftime("%Y-%m-%d"), "random_weights": True, "results": results}
         with open(args.json, "w") as f:

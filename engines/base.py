@@ -269,7 +269,7 @@ class Engine(Reuse, AnswerLoop, ABC):
 
     def counters(self, state: DocumentState) -> dict:
         decode = state.decode
-        segments = decode.segments if decode is not None and decode.segments is not None else None
+        segments = decode.segments if decode is not None else None
         per_device = segments is not None and segments.captured
         graph = decode is not None and decode.graph is not None or per_device
         blocks = decode.blocks if graph else None

@@ -103,22 +103,24 @@ class DecodeStep:
         if self.use_graph and self.graph is None:
             self._capture()
         elif self.segments is not None and not self.segments.captured:
-            saved = [t.clone() for t in (self.token, self.position, self.length)]
+            self.segments.capture(self._step, self._restorer(), lambda: swapped(self.blocks))
 
-            def restore() -> None:
-                for dst, src in zip((self.token, self.position, self.length), saved):
-                    dst.copy_(src)
+    def _restorer(self):
+        """A function that puts the step's inputs back as they are now (a capture's warm-up advances them)."""
+        saved = [t.clone() for t in (self.token, self.position, self.length)]
 
-            self.segments.capture(self._step, restore, lambda: swapped(self.blocks))
+        def restore() -> None:
+            for dst, src in zip((self.token, self.position, self.length), saved):
+                dst.copy_(src)
+        return restore
 
     def _capture(self) -> None:
-        saved = [t.clone() for t in (self.token, self.position, self.length)]
+        restore = self._restorer()
         # The warm-up writes this step's K/V once and advances the inputs; the first replay writes the same
         # slot again from the restored inputs.
         with swapped(self.blocks):
             self.graph = capture_graph(self._step, self.token.device)
-        for dst, src in zip((self.token, self.position, self.length), saved):
-            dst.copy_(src)
+        restore()
 
     def step(self) -> None:
         if self.graph is not None:
