@@ -1,7 +1,8 @@
 """`ltri-stream`'s attention over a layer's bounded rows [init | retrieved | window | chunk] (engines/ltri/cache.py):
-the explicit softmax of prefill chunks in retrieving layers (its probabilities give the window's votes and the
-chunk's own map for span division; `compensate: exact` also attends the stored blocks the rows leave out), the
-model's own sliding-window layers over their window, and decode steps over all rows with a validity mask."""
+prefill chunks in retrieving layers through kernels/vote_attention (its probabilities give the window's votes and
+the chunk's own map for span division; `compensate: exact` keeps an explicit softmax that also attends the stored
+blocks the rows leave out), the model's own sliding-window layers over their window, and decode steps over all
+rows with a validity mask."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from engines.explicit import score_slices
 from engines.ltri.cache import LtriCache, LtriLayer
 from kernels.decode_attention import decode_attention
+from kernels.vote_attention import vote_attention
 
 
 def _softmax_state(s, v):
@@ -46,10 +48,23 @@ def _stored_batches(layer: LtriLayer, device):
 
 
 def softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_own: int, exact: bool = False):
-    """Explicit softmax over the layer's rows; adds each row's votes; returns out [B, Hq, T, D] and the
+    """Softmax attention over the layer's rows; adds each row's votes; returns out [B, Hq, T, D] and the
     chunk's own map [n_own, n_own] (its last n_own queries on its own window rows, summed over heads).
     exact: the output also attends the stored blocks the rows leave out (LtriConfig.compensate); the votes
     and maps stay those of the rows."""
+    width = layer.width
+    kp = layer.key_pos[:width]
+    if not exact:
+        out, votes, own = vote_attention(query, key[:, :, :width], value[:, :, :width], kp, offset, scale=scaling,
+                                         n_own=n_own)
+        layer.votes[:width] += votes
+        return out, own
+    return _compensated_attention(layer, query, key, value, scaling, offset, n_own)
+
+
+def _compensated_attention(layer: LtriLayer, query, key, value, scaling, offset, n_own: int):
+    """compensate: exact: explicit softmax over the rows, then every stored block merged into each query
+    slice's online-softmax state; votes and the own map from the rows' probabilities alone."""
     B, Hq, T, D = query.shape
     width = layer.width
     kp = layer.key_pos[:width]
@@ -57,28 +72,26 @@ def softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_ow
     own0 = width - n_own
     out = torch.empty_like(query)
     own = torch.zeros(n_own, n_own, dtype=torch.float32, device=query.device)
-    slices = []  # exact: per query slice (lo, t, q, online-softmax state over the rows)
+    slices = []  # per query slice (lo, t, q, online-softmax state over the rows)
 
     # Built once for the chunk's queries [T, width] and sliced, rather than once per query slice.
     seen = (kp >= 0) & (kp <= torch.arange(offset, offset + T, device=query.device)[:, None])
     for lo, t, q, s in score_slices(query, key[:, :, :width], scaling, lambda lo, t: seen[lo:lo + t]):
         p = torch.softmax(s, dim=-1)
-        if exact:  # finished below, once every stored block has been merged in
-            slices.append((lo, t, q, _softmax_state(s, v[:, :, None])))
-        else:
-            out[:, :, lo:lo + t] = torch.matmul(p, v[:, :, None]).view(B, Hq, t, D).to(query.dtype)
+        # Finished below, once every stored block has been merged in.
+        slices.append((lo, t, q, _softmax_state(s, v[:, :, None])))
         heads = p.sum(dim=(0, 1, 2))  # [t, width]
         layer.votes[:width] += heads.sum(dim=0)
         first = max(lo, T - n_own)
         if first < lo + t:
             own[first - (T - n_own):lo + t - (T - n_own)] = heads[first - lo:, own0:]
-    if exact:  # each stored block is loaded once for all the query slices
-        states = [state for *_, state in slices]
-        for k_b, v_b in _stored_batches(layer, query.device):
-            states = [_softmax_add(state, torch.matmul(q, k_b.transpose(-1, -2)) * scaling, v_b)
-                      for state, (_, _, q, _) in zip(states, slices)]
-        for (lo, t, _, _), (_, mass, acc) in zip(slices, states):
-            out[:, :, lo:lo + t] = (acc / mass).view(B, Hq, t, D).to(query.dtype)
+    # Each stored block is loaded once for all the query slices.
+    states = [state for *_, state in slices]
+    for k_b, v_b in _stored_batches(layer, query.device):
+        states = [_softmax_add(state, torch.matmul(q, k_b.transpose(-1, -2)) * scaling, v_b)
+                  for state, (_, _, q, _) in zip(states, slices)]
+    for (lo, t, _, _), (_, mass, acc) in zip(slices, states):
+        out[:, :, lo:lo + t] = (acc / mass).view(B, Hq, t, D).to(query.dtype)
     return out, own
 
 

@@ -10,7 +10,7 @@ indexed by the span index vectors of its semantic spans (engines/ltri/spans.py).
    index vectors (on the layer's retrieval head, or all heads averaged); with collaborative voting the
    retrieval-head layers before this one add their normalised block scores, weighted by their head scores
    (section 3.5). The top_k blocks are loaded into the retrieval slots (blocks already there stay).
-2. Attention over [init | retrieved | window | chunk] (engines/ltri/attention.py), an explicit softmax: its
+2. Attention over [init | retrieved | window | chunk] (engines/ltri/attention.py, kernels/vote_attention): its
    probabilities give each window key its votes (attention received, InfLLM's Eq. 6) and the chunk's own map,
    from which the spans of every block completed in this chunk are found while it is still on the device.
 3. Eviction: whole blocks past the window go to CPU memory; per span the top-n voted tokens become index
@@ -38,6 +38,7 @@ from engines.ltri.heads import cached_heads
 from engines.ltri.index import Indexer
 from engines.ltri.memory import context_blocks
 from kernels.decode_attention import decode_backend
+from kernels.vote_attention import vote_attention_backend
 
 
 def context_memory_bytes(model_config, cfg: LtriConfig, n_tokens: int, dtype_bytes: int) -> int:
@@ -221,7 +222,8 @@ class LtriEngine(Engine):
         return per_token_layer * sum(LtriLayer.rows_for(**spec) for spec in specs)
 
     def backends(self) -> dict[str, str]:
-        return {"prefill_attention": "explicit softmax over init + retrieved + window (votes, span maps); "
+        return {"prefill_attention": f"{vote_attention_backend(self.device)} over init + retrieved + window "
+                                     "(votes, span maps; compensate: exact, explicit softmax); "
                                      "sliding layers: sdpa over their window",
                 "decode_attention": f"{decode_backend(self.device)} over the bounded rows (validity mask)"}
 
