@@ -1,10 +1,13 @@
-"""Kernel benchmarks on a GPU: decode_attention (Triton vs SDPA) and chunk_attention (Flex vs SDPA reference).
+"""Kernel benchmarks on a GPU: decode_attention (Triton vs SDPA), chunk_attention (Flex vs SDPA reference) and
+vote_attention (Triton vs its torch reference).
 
     python benchmarks/bench_kernels.py --out results.json
 
 Decode: one token per sequence, B=1, bf16, against a static buffer of --capacity tokens (the decode setting:
 the cache is sized for the whole context). GB/s counts the K+V bytes of the valid prefix only, so a method
-that reads the whole buffer shows as low bandwidth. Times are do_bench medians in ms.
+that reads the whole buffer shows as low bandwidth. Vote attention: one ltri-stream prefill chunk of T queries
+over W rows (positions shuffled, the chunk's own rows last), out + votes + own map. Times are do_bench medians
+in ms.
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.chunk_attention.flex import chunk_attention_flex  # noqa: E402
 from kernels.chunk_attention.reference import chunk_attention as chunk_reference  # noqa: E402
 from kernels.decode_attention.triton import decode_attention_triton, num_splits_for  # noqa: E402
+from kernels.vote_attention import vote_attention_reference  # noqa: E402
+from kernels.vote_attention.triton import vote_attention_triton  # noqa: E402
 
 # name: (Hq, Hkv, D)
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
+VOTE_SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64), "gemma3-270m": (4, 1, 256)}
+VOTE_T, VOTE_W = 512, 6784
 DECODE_LENGTHS = [4096, 32768, 131072, 262144]
 CHUNK_OFFSETS = [0, 32768, 122880]
 
@@ -77,6 +84,28 @@ def bench_chunk(shape: str, offset: int, T: int, capacity: int) -> dict:
             "capacity": capacity, "ms": ms, "tflop_per_s": {n: tflops / (t / 1e3) for n, t in ms.items()}}
 
 
+def bench_vote(shape: str, T: int, W: int) -> dict:
+    Hq, Hkv, D = VOTE_SHAPES[shape]
+    opts = dict(device="cuda", dtype=torch.bfloat16)
+    offset = 32768
+    q = torch.randn(1, T, Hq, D, **opts).transpose(1, 2)  # the model's layout: a transposed view
+    # Views of a row buffer larger than W, as ltri-stream passes them.
+    k = torch.randn(1, Hkv, W + 512, D, **opts)[:, :, :W]
+    v = torch.randn(1, Hkv, W + 512, D, **opts)[:, :, :W]
+    older = torch.randperm(offset, device="cuda")[:W - T]
+    key_pos = torch.cat([older, torch.arange(offset, offset + T, device="cuda")])
+    scale = D**-0.5
+    fns = {
+        "triton": lambda: vote_attention_triton(q, k, v, key_pos, offset, scale=scale, n_own=T),
+        "reference": lambda: vote_attention_reference(q, k, v, key_pos, offset, scale=scale, n_own=T),
+    }
+    ms = {name: do_bench(fn, warmup=5, rep=100, return_mode="median") for name, fn in fns.items()}
+    # Both passes: QK^T and PV in the forward, QK^T again in the votes pass (2*D FLOPs per matmul and pair).
+    tflops = 3 * 2 * Hq * D * T * W / 1e12
+    return {"op": "vote_attention", "shape": shape, "Hq": Hq, "Hkv": Hkv, "D": D, "T": T, "W": W, "ms": ms,
+            "tflop_per_s": {n: tflops / (t / 1e3) for n, t in ms.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -105,6 +134,15 @@ def main() -> None:
         print(f"{r['shape']:<13} {offset:>7} {T:>5} "
               f"{r['ms']['flex']:10.3f} ({r['tflop_per_s']['flex']:6.1f}) "
               f"{r['ms']['reference_sdpa']:12.3f} ({r['tflop_per_s']['reference_sdpa']:6.1f})", flush=True)
+
+    print(f"\n{'shape':<13} {'T':>5} {'W':>6} {'triton ms (TFLOP/s)':>22} {'reference ms (TFLOP/s)':>24}")
+    for shape in VOTE_SHAPES:
+        r = bench_vote(shape, VOTE_T, VOTE_W)
+        rows.append(r)
+        print(f"{shape:<13} {VOTE_T:>5} {VOTE_W:>6} "
+              f"{r['ms']['triton']:10.3f} ({r['tflop_per_s']['triton']:6.1f}) "
+              f"{r['ms']['reference']:12.3f} ({r['tflop_per_s']['reference']:6.1f})", flush=True)
+        torch.cuda.empty_cache()
 
     result = {
         "device": torch.cuda.get_device_name(),
