@@ -111,18 +111,21 @@ def _vote_attention_votes_kernel(
     for m0 in range(0, n_queries, BLOCK_M):
         offs_m = m0 + offs_r
         row_ok = offs_m < n_queries
-        seen = filled[None, :] & (kp[None, :] <= offset + offs_m[:, None]) & row_ok[:, None]
         # Probabilities of this query tile summed over the GQA group's heads: the own map's tile, and votes.
         heads = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for g in range(group):
             h = hk * group + g
-            q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                        mask=row_ok[:, None], other=0.0)
+            # A block pointer, not a [BLOCK_M, HEAD_DIM] tensor of 64-bit addresses: those spill at head_dim 128+.
+            q_blk = tl.make_block_ptr(Q + b * stride_qb + h * stride_qh, shape=(n_queries, HEAD_DIM),
+                                      strides=(stride_qt, 1), offsets=(m0, 0), block_shape=(BLOCK_M, HEAD_DIM),
+                                      order=(1, 0))
+            q = tl.load(q_blk, boundary_check=(0,), padding_option="zero")
             lse = tl.load(Lse + (b * n_kv_heads * group + h) * n_queries + offs_m, mask=row_ok,
                           other=float("-inf"))
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            # lse is -inf for a query that sees nothing, and then every pair is masked out here.
-            ok = seen & (lse[:, None] > float("-inf"))
+            # lse is -inf for a query that sees nothing (and past the last query), and then every pair is masked
+            # out here. Rebuilt for each head rather than held: a [BLOCK_M, BLOCK_N] mask costs registers.
+            ok = filled[None, :] & (kp[None, :] <= offset + offs_m[:, None]) & (lse[:, None] > float("-inf"))
             heads += tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
         votes += tl.sum(heads, 0)
         if keys_in_own & (m0 + BLOCK_M > own_q0):
