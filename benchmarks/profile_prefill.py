@@ -97,7 +97,7 @@ def main() -> None:
     if args.json:
         meta = {"command": " ".join(["python", *sys.argv]),
                 "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%d"), "random_weights": True, "results": results}
+                "date": time.strftime("%Y-%m-%d"), "random_weights": args.model.startswith("random:"), "results": results}
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=1)
 
