@@ -5,7 +5,8 @@ A small model leaves a GPU mostly idle between its kernel launches, so one `long
 task (or per length too), several at a time, finishes a table several times sooner than one process. Each process
 runs its profile and the dense baseline on the cell's samples (the samples depend only on task, length, index and
 seed, so every profile meets the same prompts). The streaming engines' cells start first; at the deadline the
-running ones are stopped and keep the lengths they finished (bench writes its file after each one). Merging joins the rows and, per sample, every
+running ones are stopped and keep the samples they finished (bench writes its file after each one; rows cut short
+say `partial`, and the table marks them). Merging joins the rows and, per sample, every
 profile's result; dense runs in every cell of its task and length, and the merged file counts the samples where
 those runs answered differently.
 

@@ -55,6 +55,8 @@ def table(result: dict, targets: dict[str, float], decides: float) -> tuple[str,
                 text = f"{r['score']:.1f}"
                 if r["dense_score"]:
                     text += f" ({100 * r['score'] / r['dense_score']:.0f}%)"
+                if r.get("partial"):  # a run stopped inside this cell: its samples so far
+                    text += f" (partial, n={r['samples']})"
                 goal = targets.get(r["engine"], targets.get(prof))
                 if goal and r["dense_score"] is not None and r["dense_score"] >= decides:
                     if r["score"] < goal * r["dense_score"] - 1e-9:

@@ -90,7 +90,8 @@ def run_accuracy(engines: list, tokenizer, *, baseline: str | None, tasks: list[
                  stop: list[str], on_rows=None) -> dict:
     """engines: [(profile, engine)], each run on every sample; baseline: the name of the profile among them
     (dense, last) whose scores every other profile's row is compared with, or None. on_rows(result so far) is
-    called after each task and length, so that a long run that is stopped keeps what it finished."""
+    called after each sample, so that a long run that is stopped keeps every sample it finished: the rows of the
+    task and length in progress then count the samples done so far and carry "partial": true."""
     builder = PromptBuilder(tokenizer, layout, stop)
     records, rows = [], []
     total = len(tasks) * len(lengths) * samples * len(engines)
@@ -114,12 +115,19 @@ def run_accuracy(engines: list, tokenizer, *, baseline: str | None, tasks: list[
                         per_engine[prof.name].append(result)
                         bar.advance(job)
                     records.append(record)
-                base = per_engine[baseline] if baseline else None
-                rows += [_row(task, length, prof, per_engine[prof.name], base)
-                         for prof, _ in engines if prof.name != baseline]
+                    if on_rows and len(per_engine[engines[0][0].name]) < len(batch):
+                        so_far = [{**row, "partial": True} for row in _rows(task, length, engines, per_engine, baseline)]
+                        on_rows({"rows": rows + so_far, "samples": list(records)})
+                rows += _rows(task, length, engines, per_engine, baseline)
                 if on_rows:
-                    on_rows({"rows": rows, "samples": records})
+                    on_rows({"rows": list(rows), "samples": list(records)})
     return {"rows": rows, "samples": records}
+
+
+def _rows(task: str, length: int, engines: list, per_engine: dict[str, list], baseline: str | None) -> list[dict]:
+    """Every profile's row of one task and length but the baseline's, over the samples answered so far."""
+    base = per_engine[baseline] if baseline else None
+    return [_row(task, length, prof, per_engine[prof.name], base) for prof, _ in engines if prof.name != baseline]
 
 
 def _mean(values):

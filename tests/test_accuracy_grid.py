@@ -78,6 +78,10 @@ def test_table_marks_the_cells_below_target_where_dense_decides():
     assert table.table(low, {"resa": 0.97}, decides=60)[1] == []
     with pytest.raises(SystemExit, match="no finished cell"):
         grid.merge([])
+    # A run stopped inside a cell kept its samples so far: the table says so.
+    stopped = _part("resa", "resa", [100], [100])
+    stopped["rows"][0]["partial"] = True
+    assert "| resa | niah_single_1 | 100.0 (100%) (partial, n=1) |" in table.table(stopped, {}, decides=50)[0]
 
 
 def test_grouped_profiles_run_in_one_process_and_resume_by_member(tmp_path):
