@@ -104,7 +104,7 @@ def run_accuracy(engines: list, tokenizer, *, baseline: str | None, tasks: list[
                 batch = generate(task, length, samples, tokenizer, seed=seed, depths=depths, budget=budget,
                                  overhead=builder.overhead())
                 per_engine = {prof.name: [] for prof, _ in engines}
-                for sample in batch:
+                for i, sample in enumerate(batch, 1):
                     record = {"task": task, "length": length, "index": sample.index, "seed": seed,
                               "prompt_hash": sample.prompt_hash, "depths": sample.depths,
                               "expected": sample.expected, "results": {}}
@@ -115,7 +115,7 @@ def run_accuracy(engines: list, tokenizer, *, baseline: str | None, tasks: list[
                         per_engine[prof.name].append(result)
                         bar.advance(job)
                     records.append(record)
-                    if on_rows and len(per_engine[engines[0][0].name]) < len(batch):
+                    if on_rows and i < len(batch):  # the last sample's save comes with its finished rows
                         so_far = [{**row, "partial": True} for row in _rows(task, length, engines, per_engine, baseline)]
                         on_rows({"rows": rows + so_far, "samples": list(records)})
                 rows += _rows(task, length, engines, per_engine, baseline)
