@@ -110,7 +110,8 @@ def _needle_ranks(indexer, layer, layer_idx, query, key, scaling, cache, wanted)
     def weighted(q):  # [A, Hq, D] -> [A, Hkv, D]
         return (q.float() * w[None, :, None]).view(q.shape[0], hkv, -1, q.shape[-1]).sum(dim=2)
 
-    qvec = indexer._query_vectors(layer, layer_idx, query, key, scaling, cache)
+    qvec, chosen = indexer._query_vectors(layer, layer_idx, query, key, scaling, cache)
+    qvec = qvec[chosen]
     allq = query[0].transpose(0, 1)
     keys = layer.memory.keys.used.float()  # [n, Hkv, block, D]
     own = layer.index.block_scores(weighted(qvec), n_blocks)[0]

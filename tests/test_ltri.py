@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engines.ltri import spans as sp
+from kernels.farthest_point import farthest_point
 from tests.conftest import greedy_answer, make_engine, run_cli, story_ids
 
 
@@ -127,36 +128,6 @@ def test_slot_ranges_follow_the_allocation_bounds():
     assert sp.slot_ranges([sp.Span(0, 31, 1.0, 0.01)], 3.0, 4, 12, 32) == [(0, 31)] * 4  # topped up
 
 
-def _cover_brute(keys, votes, ranges):
-    """One block at a time, in plain Python: the definition `sp.cover` batches."""
-    picks = []
-    for s, (lo, hi) in enumerate(ranges):
-        free = [t for t in range(lo, hi + 1) if t not in picks]
-        if not free:
-            picks.append(-1)
-            continue
-        if not [p for p in picks if p >= 0]:
-            picks.append(max(free, key=lambda t: (votes[t].item(), -t)))
-            continue
-        def far(t):
-            return min(((keys[t] - keys[p]) ** 2).sum().item() for p in picks if p >= 0)
-        picks.append(max(free, key=lambda t: (far(t), -t)))
-    return picks
-
-
-def test_cover_equals_brute_force_farthest_point_sampling():
-    g = torch.Generator().manual_seed(42)
-    keys = torch.randn(3, 40, 6, generator=g)
-    votes = torch.rand(3, 40, generator=g)
-    ranges = [[(0, 9)] * 4 + [(20, 39)] * 6, [(5, 7)] * 5 + [(0, 39)] * 2 + [(0, -1)] * 3, [(0, 39)] * 3 + [(0, -1)] * 7]
-    got = sp.cover(keys, votes, torch.tensor(ranges))
-    for i in range(3):
-        assert got[i].tolist() == _cover_brute(keys[i], votes[i], ranges[i])
-    assert got[1, 3].item() == -1 and got[1, 4].item() == -1  # a 3-token range holds 3 picks
-    assert (got[1, 5:7] >= 0).all() and (got[1, 7:] == -1).all()
-    assert (got[2, 3:] == -1).all()  # padding slots stay empty
-
-
 def test_cover_keeps_the_key_a_question_matches_where_votes_do_not():
     """A block whose most-attended tokens are near copies of one key (a UUID's characters, say) and one odd key
     that a query matches: the most-voted picks miss it, farthest-point sampling takes it."""
@@ -167,7 +138,7 @@ def test_cover_keeps_the_key_a_question_matches_where_votes_do_not():
     votes = torch.linspace(1, 2, 32)
     votes[17] = 0.0
     by_votes = sp.allocate([sp.Span(0, 31, 1.0, 1.0)], votes, 3.0, 4, 4)
-    by_cover = sp.cover(keys[None], votes[None], torch.tensor([[(0, 31)] * 4]))[0].tolist()
+    by_cover = farthest_point(keys[None], votes[None], torch.tensor([[(0, 31)] * 4]))[0].tolist()
     assert 17 not in by_votes and 17 in by_cover
     query = -common
     assert (keys[by_cover] @ query).max() == (keys @ query).max()

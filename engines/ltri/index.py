@@ -9,22 +9,17 @@ Stored-side span division is queued per layer and run once per chunk for all lay
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from engines.ltri import spans as sp
 from engines.ltri.cache import LtriCache, LtriLayer
 from kernels import cdiv
+from kernels.farthest_point import farthest_point
+from kernels.span_rows import span_rows
+from kernels.vote_attention import vote_attention
 
 _FIRST_LAYERS = 4  # "the lam value for the first four layers is assigned as 20"
 _CALIBRATION_SPANS = 4096  # most recent spans per layer kept for the lam lookup
-
-
-@functools.lru_cache(maxsize=8)
-def _above_diagonal(n: int, device: torch.device) -> torch.Tensor:
-    """[n, n] True above the diagonal (the keys a causal query does not see), made once per size and device."""
-    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
 
 
 class Indexer:
@@ -160,7 +155,7 @@ class Indexer:
             table = torch.tensor([r + [(0, -1)] * (width - len(r)) for *_, ranges in items for r in ranges],
                                  dtype=torch.long).view(-1, width, 2)
             feats = torch.cat([f for _, _, _, f, _, _ in items])
-            picks = sp.cover(feats, torch.cat([v for *_, v, _ in items]), table.to(feats.device))
+            picks = farthest_point(feats, torch.cat([v for *_, v, _ in items]), table.to(feats.device))
             # The picks come to the host once for every layer of the batch (how many vectors each layer adds
             # is a host-side count), and their rows go back in one copy.
             picks = picks.cpu()
@@ -177,35 +172,30 @@ class Indexer:
                 layer.index.add(keys[:, r].transpose(0, 1), b, r % layer.block)
                 cache.stats["blocks_indexed"] += f.shape[0]
 
-    def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling, cache: LtriCache) -> torch.Tensor:
-        """The chunk's query index vectors [A, Hq, D]: its own causal map, block by block,
-        divided into spans, the top-voted queries of each span (Eq. 7, within the bounds of a block)."""
-        _, Hq, T, D = query.shape
-        hkv = key.shape[1]
+    def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling,
+                       cache: LtriCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's query index vectors [A, Hq, D] and which of them count [A] bool: its own causal map
+        (kernels/vote_attention over the chunk's rows alone), block by block, divided into spans, the top-voted
+        queries of each span (Eq. 7, within the bounds of a block; kernels/span_rows). A is the most the bounds
+        allow, so nothing here waits for the device to learn how many were chosen."""
+        T = query.shape[2]
         end = layer.width
-        q = query[0].float().view(hkv, Hq // hkv, T, D)
-        k = key[0, :, end - T:end].float()
-        s = torch.matmul(q, k[:, None].transpose(-1, -2)).mul_(scaling)  # [Hkv, G, T, T]
-        amap = torch.softmax(s.masked_fill_(_above_diagonal(T, query.device), float("-inf")), dim=-1).sum(dim=(0, 1))
+        own = key[:, :, end - T:end]
+        _, votes, amap = vote_attention(query, own, own, layer.key_pos[end - T:end], cache.offset, scale=scaling,
+                                        n_own=T)
         # Divided block by block, like the stored side (a shorter last piece on its own).
-        b = layer.block
-        pieces = [sp.diagonal_blocks(amap, 0, T // b, b)] if T >= b else []
+        b, cfg = layer.block, self.cfg
+        full = T // b
+        pieces = [(sp.diagonal_blocks(amap, 0, full, b), votes[:full * b].view(full, b))] if full else []
         if T % b:
-            pieces.append(amap[None, T - T % b:, T - T % b:])
-        cands = [sp.threshold_candidates(maps, self.cfg.threshold, self.cfg.ratio_mode) for maps in pieces]
-        # The votes (attention each token got from the chunk's later queries) and every piece's span candidates
-        # come to the host in one copy: one wait for the device per layer, not one per tensor.
-        host = torch.cat([amap.sum(dim=0).double(), *(c.flatten() for c in cands)]).cpu().numpy()
-        votes, at = host[:T], T
-        rows, lo = [], 0
-        for maps, c in zip(pieces, cands):
-            for found in sp.spans_of(host[at:at + c.numel()].reshape(c.shape), self.cfg.iou):
-                width = maps.shape[-1]
-                rows.extend(lo + r for r in self._allocate(layer_idx, found, votes[lo:lo + width], cache))
-                lo += width
-            at += c.numel()
-        picked = torch.tensor(rows, dtype=torch.long, device=query.device)
-        return query[0][:, picked].transpose(0, 1)
+            pieces.append((amap[None, full * b:, full * b:], votes[None, full * b:]))
+        lam = self.lam(layer_idx, cache)
+        chosen = torch.cat([span_rows(sp.threshold_candidates(maps, cfg.threshold, cfg.ratio_mode), v, lam=lam,
+                                      lo=cfg.min_vectors, hi=cfg.max_vectors, iou=cfg.iou).flatten()
+                            for maps, v in pieces])
+        most = sum(maps.shape[0] * min(cfg.max_vectors, maps.shape[-1]) for maps, _ in pieces)
+        picked = torch.sort(chosen.to(torch.uint8), descending=True, stable=True).indices[:most]
+        return query[0][:, picked].transpose(0, 1), chosen[picked]
 
     def retrieve(self, layer: LtriLayer, layer_idx: int, query, key, scaling, cache: LtriCache) -> None:
         """Fills the retrieval slots with the layer's top_k blocks for this chunk (all blocks when they fit)."""
@@ -216,11 +206,11 @@ class Indexer:
         if n_blocks <= k:
             wanted = list(range(n_blocks))
         else:
-            qvec = self._query_vectors(layer, layer_idx, query, key, scaling, cache)
+            qvec, chosen = self._query_vectors(layer, layer_idx, query, key, scaling, cache)
             hkv = key.shape[1]
             w = self.head_weights(layer_idx, query.device)
             qw = (qvec.float() * w[None, :, None]).view(qvec.shape[0], hkv, -1, qvec.shape[-1]).sum(dim=2)
-            scores, where = layer.index.block_scores(qw, n_blocks)
+            scores, where = layer.index.block_scores(qw, n_blocks, chosen)
             scores = self._vote(layer_idx, scores, cache)
             wanted = self._with_successors(scores, where, k, layer.block, cache)
         cache.stats["host_to_device_bytes"] += layer.load_blocks(wanted)

@@ -23,9 +23,9 @@ is a choice:
   spans are served best first until the block holds max_vectors, and a block with fewer than min_vectors is
   topped up with its most-voted remaining tokens.
 - Which tokens (`pick`): each span's most-voted ones, the paper's (`allocate`), or farthest-point samples of the
-  block's keys (`cover`, ours: the same count per block, one inside each span; on the embedded model votes
-  favoured a UUID's characters over the words the question matches, and the first global layer lost the
-  needle's block).
+  block's keys (`cover`, ours, kernels/farthest_point: the same count per block, one inside each span; on the
+  embedded model votes favoured a UUID's characters over the words the question matches, and the first global
+  layer lost the needle's block).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from kernels.span_rows import allocate_rows, greedy_nms
 
 
 class Span(NamedTuple):
@@ -104,32 +106,8 @@ def nms(intervals, scores, iou_threshold: float) -> np.ndarray:
     intervals, scores = np.asarray(intervals, dtype=np.int64).reshape(-1, 2), _np(scores)
     order = np.argsort(-scores, kind="stable")
     ranked = intervals[order]
-    kept = _greedy_nms(ranked[None, :, 0], ranked[None, :, 1], np.ones((1, len(order)), dtype=bool), iou_threshold)
+    kept = greedy_nms(ranked[None, :, 0], ranked[None, :, 1], np.ones((1, len(order)), dtype=bool), iou_threshold)
     return order[kept[0][kept[0] >= 0]]
-
-
-def _greedy_nms(start: np.ndarray, end: np.ndarray, alive: np.ndarray, iou_threshold: float) -> np.ndarray:
-    """Greedy NMS of many maps at once. start, end: [m, C] inclusive intervals, each map's best first; alive:
-    [m, C] those taking part. Returns [m, K] the kept positions, best first (-1 past a map's last).
-
-    Each round keeps every map's best candidate still alive and drops those it overlaps by IoU above the
-    threshold: the picks of the one-by-one greedy loop (a candidate survives exactly when no better kept one
-    suppresses it), in as many rounds as the most spans a map keeps; the IoU is the loop's float64 quotient."""
-    alive = alive.copy()
-    rows = np.arange(start.shape[0])
-    length = end - start + 1
-    kept = []
-    while True:
-        has = alive.any(axis=1)
-        if not has.any():
-            break
-        best = alive.argmax(axis=1)
-        kept.append(np.where(has, best, -1))
-        s0, e0 = start[rows, best][:, None], end[rows, best][:, None]
-        inter = np.minimum(end, e0) - np.maximum(start, s0) + 1
-        union = length + length[rows, best][:, None] - inter
-        alive &= ~((inter > 0) & (inter / union > iou_threshold))  # the best suppresses itself too
-    return np.stack(kept, axis=1) if kept else np.full((start.shape[0], 0), -1)
 
 
 @functools.lru_cache(maxsize=16)
@@ -201,7 +179,7 @@ def spans_of(cands: np.ndarray, iou: float) -> list[list[Span]]:
     order = np.argsort(np.where(valid, -score, np.inf), axis=1, kind="stable")
     order = order[:, :max(1, int(valid.sum(axis=1).max(initial=0)))]  # the candidates taking part lead
     ranked = np.take_along_axis(cands, order[..., None], axis=1)
-    kept = _greedy_nms(ranked[..., 0].astype(np.int32), ranked[..., 1].astype(np.int32),
+    kept = greedy_nms(ranked[..., 0].astype(np.int32), ranked[..., 1].astype(np.int32),
                        np.take_along_axis(valid, order, axis=1), iou)
     picked = np.take_along_axis(ranked, np.maximum(kept, 0)[..., None], axis=1)
     starts, ends = picked[..., 0].astype(np.int64).tolist(), picked[..., 1].astype(np.int64).tolist()
@@ -217,26 +195,10 @@ def span_count(length: int, confidence: float, lam: float) -> int:
 
 
 def allocate(found: list[Span], votes: torch.Tensor, lam: float, lo: int, hi: int) -> list[int]:
-    """Rows (of the map) whose keys index it. found: spans, best first; votes: [n] attention each token got."""
-    votes = _np(votes)
-    taken = np.zeros(votes.shape[0], dtype=bool)  # rows already listed: a span's picks skip them
-    rows: list[int] = []
-    for span in found:
-        n = span_count(span.length, span.confidence, lam)
-        if n:
-            best = span.start + np.argsort(-votes[span.start:span.end + 1], kind="stable")[:n]
-            best = best[~taken[best]]
-            taken[best] = True
-            rows.extend(best.tolist())
-        if len(rows) >= hi:
-            break
-    rows = rows[:hi]
-    if len(rows) < lo:
-        taken[:] = False
-        taken[rows] = True
-        rest = np.argsort(-votes, kind="stable")
-        rows.extend(rest[~taken[rest]][: lo - len(rows)].tolist())
-    return sorted(rows)
+    """Rows (of the map) whose keys index it. found: spans, best first; votes: [n] attention each token got
+    (kernels/span_rows.allocate_rows with Eq. 7's count per span)."""
+    return allocate_rows([s.start for s in found], [s.end for s in found],
+                         [span_count(s.length, s.confidence, lam) for s in found], _np(votes), lo, hi)
 
 
 def slot_ranges(found: list[Span], lam: float, lo: int, hi: int, n: int) -> list[tuple[int, int]]:
@@ -253,36 +215,6 @@ def slot_ranges(found: list[Span], lam: float, lo: int, hi: int, n: int) -> list
             break
     out = out[:hi]
     return out + [(0, n - 1)] * max(0, min(lo, n) - len(out))
-
-
-def cover(keys: torch.Tensor, votes: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
-    """Index rows picked by farthest-point sampling of the keys, batched over blocks, on their device.
-
-    keys: [m, n, F]; votes: [m, n]; ranges: [m, S, 2] inclusive token range of each slot (end < start: no
-    slot). Returns [m, S] rows (-1: slot empty or its range used up). A block's first pick is the most-voted
-    token of its first slot's range; every later pick is the unpicked token of its slot's range farthest
-    (Euclidean) from all picks so far. The largest dot product of any query with the picked keys then tracks
-    the one over all keys (a linear function peaks at extreme points), which votes alone do not: keys that
-    answer a question are often not the ones the document itself attends to.
-    """
-    m, n, _ = keys.shape
-    keys, votes = keys.float(), votes.float()
-    pos = torch.arange(n, device=keys.device)
-    allowed = (pos >= ranges[..., :1]) & (pos <= ranges[..., 1:])  # [m, S, n]
-    picks = torch.full(ranges.shape[:2], -1, dtype=torch.long, device=keys.device)
-    chosen = torch.zeros(m, n, dtype=torch.bool, device=keys.device)
-    dist = torch.full((m, n), float("inf"), device=keys.device)
-    rows = torch.arange(m, device=keys.device)
-    for s in range(ranges.shape[1]):
-        ok = allowed[:, s] & ~chosen
-        crit = torch.where(chosen.any(dim=1, keepdim=True), dist, votes).masked_fill(~ok, float("-inf"))
-        best = crit.argmax(dim=1)
-        found = ok.any(dim=1)
-        picks[:, s] = torch.where(found, best, -1)
-        chosen[rows, best] |= found
-        step = (keys - keys[rows, best][:, None]).square().sum(dim=-1)
-        dist = torch.where(found[:, None], torch.minimum(dist, step), dist)
-    return picks
 
 
 def calibrate_lambda(lengths: torch.Tensor, confidence: torch.Tensor, target: float,
