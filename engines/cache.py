@@ -177,10 +177,10 @@ class StaticKVCache(Cache):
             return key_states
         device = key_states.device
         if self.decoding:
-            at = self.position_on(device) - positions.shift_on(device)
-        else:
-            at = torch.arange(self.offset, self.offset + key_states.shape[2], device=device) - positions.shift
-        return positions.unrotate(key_states, at, sliding)
+            return positions.unrotate(key_states, self.position_on(device) - positions.shift_on(device), sliding)
+        end = self.offset + key_states.shape[2] - positions.shift
+        return positions.unrotate(key_states, torch.arange(end - key_states.shape[2], end, device=device), sliding,
+                                  below=end)
 
     def position_on(self, device: torch.device) -> torch.Tensor:
         return self._on(self._position, device)

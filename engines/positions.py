@@ -64,6 +64,7 @@ class Positions:
         self._rotaries: dict[torch.device, torch.nn.Module] = {}
         self.shift = 0
         self._shift: dict[torch.device, torch.Tensor] = {}
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, sliding) -> cos, sin [n, D]
         self.largest = -1  # the largest position given to the model, for the report
 
     def set_shift(self, shift: int) -> None:
@@ -92,8 +93,29 @@ class Positions:
         """A decode step fed the token at document `position` (for the report's largest position)."""
         self.largest = max(self.largest, position - self.shift)
 
-    def cos_sin(self, positions: torch.Tensor, sliding: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [...] (any device) -> cos, sin [..., D] in fp32, the model's own rotation at them."""
+    def cos_sin(self, positions: torch.Tensor, sliding: bool, below: int | None = None):
+        """positions [...] (any device) -> cos, sin [..., D] in fp32, the model's own rotation at them. below: a
+        bound the caller knows on the host (every position < below), so the rotation can be looked up in a
+        table made once (the rotary module costs about ten launches a call, and prefill rotates every layer's
+        rows at every chunk)."""
+        if below is not None:
+            cos, sin = self._table(positions.device, sliding, below)
+            # Empty rows carry negative positions; whatever they are rotated at, attention never reads them.
+            at = positions.clamp(0, cos.shape[0] - 1)
+            return cos[at], sin[at]
+        return self._computed(positions, sliding)
+
+    def _table(self, device: torch.device, sliding: bool, below: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, D] of positions 0..n-1 (n >= below, grown by doubling up to the model's context): the same
+        fp32 values as the rotary module gives position by position (its products are elementwise)."""
+        table = self._tables.get((device, sliding))
+        if table is None or table[0].shape[0] < below:
+            grown = 2 * table[0].shape[0] if table is not None else 1024
+            n = max(below, min(grown, self.limit) if self.limit else grown)  # never past the model's context
+            table = self._tables[device, sliding] = self._computed(torch.arange(n, device=device), sliding)
+        return table
+
+    def _computed(self, positions: torch.Tensor, sliding: bool) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.empty(0, dtype=torch.float32, device=positions.device)
         flat = positions.reshape(1, -1)
         args = (x, flat, "sliding_attention" if sliding else "full_attention") if self._typed else (x, flat)
@@ -114,18 +136,19 @@ class Positions:
             self._rotaries[device] = rotary
         return self._rotaries[device]
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, sliding: bool) -> torch.Tensor:
-        """x: [B, H, R, D] un-rotated keys -> rotated at positions ([R] or [B, H, R]), in x's dtype."""
-        cos, sin = self.cos_sin(positions, sliding)
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, sliding: bool, below: int | None = None) -> torch.Tensor:
+        """x: [B, H, R, D] un-rotated keys -> rotated at positions ([R] or [B, H, R]; all < below where given),
+        in x's dtype."""
+        cos, sin = self.cos_sin(positions, sliding, below)
         if cos.dim() == 2:
             cos, sin = cos[None, None], sin[None, None]
         xf = x.float()
         return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
 
-    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, sliding: bool) -> torch.Tensor:
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, sliding: bool, below: int | None = None) -> torch.Tensor:
         """The inverse of `rotate` (the rotary's attention scaling divided out): x [B, H, T, D] rotated at
-        positions [T] -> un-rotated, in x's dtype."""
-        cos, sin = self.cos_sin(positions, sliding)
+        positions [T] (all < below where given) -> un-rotated, in x's dtype."""
+        cos, sin = self.cos_sin(positions, sliding, below)
         cos, sin = cos[None, None], sin[None, None]
         xf = x.float()
         return ((xf * cos - _rotate_half(xf) * sin) / (cos * cos + sin * sin)).to(x.dtype)

@@ -133,7 +133,9 @@ def test_a_document_four_times_the_context(lm, short_context, name, depth, setti
     assert expected in lm.tokenizer.decode(answer)
     counters = engine.counters(state)
     assert counters["positions"] == "re-assigned"
-    assert max(seen) == counters["largest_position"] < NEEDLE_LIMIT
+    # The rotary module sees each position the model is given and the engine's rotation table (positions
+    # 0..n-1, n at most the context), so the largest it sees bounds the largest used.
+    assert counters["largest_position"] <= max(seen) < NEEDLE_LIMIT
     top = type(engine).largest_position(lm.model.config, engine.config, doc.numel() + question.numel() + 12,
                                          chunk_size=engine.run.chunk_size, reserve=question.numel() + 12)
     assert counters["largest_position"] <= top < NEEDLE_LIMIT  # what `longctx plan` states

@@ -121,7 +121,7 @@ class LtriLayer(OwnedRowsLayer):
         tensor; else the buffers themselves)."""
         if self.owner.positions is None:
             return keys
-        return self.owner.positions.rotate(keys, self.assigned(), self.is_sliding)
+        return self.owner.positions.rotate(keys, self.assigned(), self.is_sliding, below=self.rows)
 
     def reattend_slots(self, attended: torch.Tensor) -> None:
         """After the retrieval slots were filled: their rows of `attended` (from `attended`) rotated afresh."""
@@ -129,15 +129,16 @@ class LtriLayer(OwnedRowsLayer):
             return  # `attended` is the buffers themselves: the slots are already there
         lo, hi = self.n_init, self.local0
         attended[:, :, lo:hi] = self.owner.positions.rotate(self.keys[:, :, lo:hi], self.assigned()[lo:hi],
-                                                            self.is_sliding)
+                                                            self.is_sliding, below=self.rows)
 
     def as_attended(self, keys: torch.Tensor, start: int) -> torch.Tensor:
         """keys [Hkv, n, D] of window tokens from document position `start` on, as `attended` rotated them."""
         positions = self.owner.positions
         if positions is None:
             return keys
-        at = torch.arange(start, start + keys.shape[1], device=keys.device) - positions.shift
-        return positions.rotate(keys[None], at, self.is_sliding)[0]
+        end = start + keys.shape[1] - positions.shift
+        return positions.rotate(keys[None], torch.arange(end - keys.shape[1], end, device=keys.device),
+                                self.is_sliding, below=end)[0]
 
     def _write(self, row: int, k: torch.Tensor, v: torch.Tensor, position: int) -> None:
         n = k.shape[2]
