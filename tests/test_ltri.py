@@ -9,6 +9,7 @@ import torch
 
 from engines.ltri import spans as sp
 from kernels.farthest_point import farthest_point
+from kernels.span_candidates.reference import prefix_sums, rect, triangle_scores
 from tests.conftest import greedy_answer, make_engine, run_cli, story_ids
 
 
@@ -21,7 +22,7 @@ def _causal_map(n: int, seed: int) -> torch.Tensor:
 def test_triangle_scores_equal_brute_force(n):
     a = _causal_map(n, n)
     theta = float(a[a > 0].median()) if n > 1 else 0.1
-    ta = sp.triangle_scores(a, theta)
+    ta = triangle_scores(a, theta)
     for j in range(n):
         for i in range(n):
             if i > j:
@@ -100,13 +101,13 @@ def test_confidence():
 
 def test_rect_sums_equal_brute_force():
     a = _causal_map(12, 3).double()
-    p = sp.prefix_sums(a)[None]
+    p = prefix_sums(a)[None]
     g = torch.Generator().manual_seed(0)
     r0, c0 = torch.randint(0, 12, (2, 1, 40), generator=g)
     r1 = r0 + torch.randint(-1, 5, (1, 40), generator=g)  # -1: an empty range
     c1 = c0 + torch.randint(-1, 5, (1, 40), generator=g)
     r1, c1 = r1.clamp(max=11), c1.clamp(max=11)
-    got = sp._rect(p, r0, r1, c0, c1)[0]
+    got = rect(p, r0, r1, c0, c1)[0]
     want = [a[r0[0, k]:r1[0, k] + 1, c0[0, k]:c1[0, k] + 1].sum().item() for k in range(40)]
     assert got.tolist() == pytest.approx(want, abs=1e-12)
 
