@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engines.ltri import spans as sp
-from kernels.span_rows import rank_candidates, span_rows, span_rows_reference
+from kernels.span_rows import span_rows, span_rows_reference
 from tests.conftest import TRITON_DEVICE
 from tests.test_ltri_spans import _maps
 
@@ -62,9 +62,8 @@ def test_triton_matches_reference(m, n, kind, lam, lo, hi, iou):
     from kernels.span_rows.triton import span_rows_triton
 
     cands, votes = _inputs(m, n, kind, ratio_mode="rowcol")
-    ranked = rank_candidates(cands, lam)
-    want = span_rows_reference(*ranked, votes, lo, hi, iou)
-    got = span_rows_triton(*(t.to(TRITON_DEVICE) for t in ranked), votes.to(TRITON_DEVICE), lo, hi, iou)
+    want = span_rows_reference(cands, votes, lam, lo, hi, iou)
+    got = span_rows_triton(cands.to(TRITON_DEVICE), votes.to(TRITON_DEVICE), lam, lo, hi, iou)
     assert torch.equal(got.cpu(), want)
 
 
@@ -73,9 +72,8 @@ def test_triton_launcher_rejects_bad_inputs():
     from kernels.span_rows.triton import span_rows_triton
 
     cands, votes = _inputs(2, 8, "softmax")
-    start, end, count, alive = (t.to(TRITON_DEVICE) for t in rank_candidates(cands, 3.0))
-    votes = votes.to(TRITON_DEVICE)
-    with pytest.raises(ValueError, match=r"expected count of shape \[2, 15\] int64"):
-        span_rows_triton(start, end, count.int(), alive, votes, 4, 12, 0.1)
-    with pytest.raises(ValueError, match=r"expected alive of shape \[2, 15\] bool"):
-        span_rows_triton(start, end, count, alive.int(), votes, 4, 12, 0.1)
+    cands, votes = cands.to(TRITON_DEVICE), votes.to(TRITON_DEVICE)
+    with pytest.raises(ValueError, match=r"expected cands of shape \[m, C, 4\] float64"):
+        span_rows_triton(cands.float(), votes, 3.0, 4, 12, 0.1)
+    with pytest.raises(ValueError, match=r"expected votes of shape \[2, n\]"):
+        span_rows_triton(cands, votes[:1], 3.0, 4, 12, 0.1)

@@ -12,11 +12,18 @@ import numpy as np
 import torch
 
 
+def span_counts(cands: torch.Tensor, lam: float) -> torch.Tensor:
+    """cands [m, C, 4] -> [m, C] int64 Eq. 7's count of each candidate span: min(length, round(length *
+    confidence ** lam)), rounded half to even as Python rounds."""
+    length = cands[..., 1] - cands[..., 0] + 1
+    return torch.minimum(length, torch.round(length * cands[..., 3] ** lam)).long()
+
+
 def rank_candidates(cands: torch.Tensor, lam: float) -> tuple[torch.Tensor, ...]:
     """cands [m, C, 4] (start, end, score, confidence) per midpoint, score <= 0 where there is no span, C = 2n - 1
     -> (start, end, count, alive), each [m, C], best score first (ties in midpoint order): the inclusive row
-    range, Eq. 7's count min(length, round(length * confidence ** lam)) (half to even, as Python rounds) and
-    whether the candidate takes part. A map without any candidate gets the whole map at confidence 1."""
+    range, `span_counts` and whether the candidate takes part. A map without any candidate gets the whole map at
+    confidence 1."""
     m, C, _ = cands.shape
     n = (C + 1) // 2
     score = cands[..., 2]
@@ -25,12 +32,10 @@ def rank_candidates(cands: torch.Tensor, lam: float) -> tuple[torch.Tensor, ...]
     ranked = cands.gather(1, order[..., None].expand(-1, -1, 4))
     # No candidate: the whole map, which has no neighbours inside it, so fully confident.
     whole = ~valid.any(dim=1, keepdim=True) & (torch.arange(C, device=cands.device) == 0)
-    start = torch.where(whole, 0, ranked[..., 0].long())
-    end = torch.where(whole, n - 1, ranked[..., 1].long())
-    confidence = torch.where(whole, 1.0, ranked[..., 3])
-    length = end - start + 1
-    count = torch.minimum(length, torch.round(length.double() * confidence ** lam).long())
-    return start, end, count, valid.gather(1, order) | whole
+    ranked[..., 0] = torch.where(whole, 0.0, ranked[..., 0])
+    ranked[..., 1] = torch.where(whole, n - 1.0, ranked[..., 1])
+    ranked[..., 3] = torch.where(whole, 1.0, ranked[..., 3])
+    return ranked[..., 0].long(), ranked[..., 1].long(), span_counts(ranked, lam), valid.gather(1, order) | whole
 
 
 def greedy_nms(start: np.ndarray, end: np.ndarray, alive: np.ndarray, iou_threshold: float) -> np.ndarray:
@@ -81,12 +86,13 @@ def allocate_rows(starts, ends, counts, votes: np.ndarray, lo: int, hi: int) -> 
     return sorted(rows)
 
 
-def span_rows_reference(start, end, count, alive, votes: torch.Tensor, lo: int, hi: int,
+def span_rows_reference(cands: torch.Tensor, votes: torch.Tensor, lam: float, lo: int, hi: int,
                         iou: float) -> torch.Tensor:
-    """Ranked candidates (`rank_candidates`, [m, C] each) and votes [m, n] -> [m, n] bool, the rows the map's
-    spans choose (greedy NMS at `iou`, then `allocate_rows` with the bounds lo, hi)."""
-    start, end, count = (t.cpu().numpy() for t in (start, end, count))
-    kept = greedy_nms(start, end, alive.cpu().numpy(), iou)
+    """cands [m, 2n - 1, 4] (start, end, score, confidence per midpoint; score <= 0: none) and votes [m, n] ->
+    [m, n] bool, the rows the map's spans choose: `rank_candidates`, greedy NMS at `iou`, then `allocate_rows`
+    with the bounds lo, hi."""
+    start, end, count, alive = (t.cpu().numpy() for t in rank_candidates(cands, lam))
+    kept = greedy_nms(start, end, alive, iou)
     v = votes.detach().cpu().double().numpy()
     out = torch.zeros(votes.shape, dtype=torch.bool)
     for i, k in enumerate(kept):
