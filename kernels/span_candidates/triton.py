@@ -20,8 +20,9 @@ MAX_N = 128  # the map and both its prefix sums stay in registers up to this siz
 
 @triton.jit
 def _at(P, r, c, n):
-    """The zero-bordered prefix sum P[r, c] = sum of rows < r and columns < c, from the scratch [n, n]."""
-    ok = (r >= 1) & (c >= 1)
+    """The zero-bordered prefix sum P[r, c] = sum of rows < r and columns < c, from the scratch [n, n]; lanes
+    outside 0..n read 0 (padding lanes never touch memory outside the map's scratch)."""
+    ok = (r >= 1) & (c >= 1) & (r <= n) & (c <= n)
     return tl.load(P + (r - 1) * n + (c - 1), mask=ok, other=0.0)
 
 
@@ -60,11 +61,12 @@ def _span_candidates_fwd_kernel(
         valid = (j >= i) & (j < n) & (s[:, None] < n_mid)
         jj = tl.where(valid, j, 0)
         # TA(i, j) = P[j + 1, j + 1] - P[j + 1, i] on the zero-bordered prefix sums.
-        ta = _at(thresholded, jj + 1, jj + 1, n) - _at(thresholded, jj + 1, i, n)
+        ta = _at(thresholded, jj + 1, jj + 1, n) - _at(thresholded, jj + 1, tl.where(valid, i, 0), n)
         ta = tl.where(valid, ta, float("-inf"))
         best = tl.max(ta, 1)
-        bi = tl.argmax(ta, 1, tie_break_left=True)
-        bj = s - bi
+        ok = s < n_mid
+        bi = tl.where(ok, tl.argmax(ta, 1, tie_break_left=True), 0)
+        bj = tl.where(ok, s - bi, 0)
         tri = _rect(raw, bi, bj, bi, bj, n)
         total = tri
         if ROW:
@@ -73,7 +75,6 @@ def _span_candidates_fwd_kernel(
             total = total + _rect(raw, bj + 1, bi * 0 + n - 1, bi, bj, n)
         conf = tl.where(total > 0, tri / tl.maximum(total, 1e-300), 1.0)
         out = Out + (m * n_mid + s) * 4
-        ok = s < n_mid
         tl.store(out, bi.to(tl.float64), mask=ok)
         tl.store(out + 1, bj.to(tl.float64), mask=ok)
         tl.store(out + 2, best, mask=ok)
