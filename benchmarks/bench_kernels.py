@@ -1,13 +1,15 @@
-"""Kernel benchmarks on a GPU: decode_attention (Triton vs SDPA), chunk_attention (Flex vs SDPA reference) and
-vote_attention (Triton vs its torch reference).
+"""Kernel benchmarks on a GPU: decode_attention (Triton vs SDPA), chunk_attention (Flex vs SDPA reference),
+vote_attention and ltri-stream's span kernels (span_candidates, span_rows, farthest_point; Triton vs reference).
 
     python benchmarks/bench_kernels.py --out results.json
 
 Decode: one token per sequence, B=1, bf16, against a static buffer of --capacity tokens (the decode setting:
 the cache is sized for the whole context). GB/s counts the K+V bytes of the valid prefix only, so a method
 that reads the whole buffer shows as low bandwidth. Vote attention: one ltri-stream prefill chunk of T queries
-over W rows (positions shuffled, the chunk's own rows last), out + votes + own map. Times are do_bench medians
-in ms.
+over W rows (positions shuffled, the chunk's own rows last), out + votes + own map. Span kernels: a chunk's
+maps (the query side, 4 maps of 128 rows per layer) and a chunk's evicted blocks over every layer of the 8B shape
+(128 maps; farthest-point over their keys, 1,024 features, 48 slots); the references include their host work.
+Times are do_bench medians in ms.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.chunk_attention.flex import chunk_attention_flex  # noqa: E402
 from kernels.chunk_attention.reference import chunk_attention as chunk_reference  # noqa: E402
 from kernels.decode_attention.triton import decode_attention_triton, num_splits_for  # noqa: E402
+from kernels.farthest_point import farthest_point_reference  # noqa: E402
+from kernels.farthest_point.triton import farthest_point_triton  # noqa: E402
+from kernels.span_candidates import span_candidates_reference  # noqa: E402
+from kernels.span_candidates.triton import span_candidates_triton  # noqa: E402
+from kernels.span_rows import span_rows_reference  # noqa: E402
+from kernels.span_rows.triton import span_rows_triton  # noqa: E402
 from kernels.vote_attention import vote_attention_reference  # noqa: E402
 from kernels.vote_attention.triton import vote_attention_triton  # noqa: E402
 
@@ -106,43 +114,77 @@ def bench_vote(shape: str, T: int, W: int) -> dict:
             "tflop_per_s": {n: tflops / (t / 1e3) for n, t in ms.items()}}
 
 
+def bench_spans(m: int, n: int = 128, feats: int = 1024, slots: int = 48) -> dict:
+    """m causal maps of n rows (softmax attention summed over 4 heads), their candidates, rows and cover picks."""
+    g = torch.Generator(device="cuda").manual_seed(42)
+    causal = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+    s = torch.randn(m, 4, n, n, device="cuda", generator=g).masked_fill(~causal, float("-inf"))
+    maps = torch.softmax(s, dim=-1).sum(dim=1)
+    theta = maps.flatten(1).quantile(0.9, dim=1).double()
+    cands = span_candidates_reference(maps, theta, "row")
+    votes = maps.sum(dim=1)
+    keys = torch.randn(m, n, feats, device="cuda", dtype=torch.bfloat16, generator=g)
+    ranges = torch.tensor([[0, n - 1]], device="cuda").repeat(m, slots, 1)
+    fns = {
+        "span_candidates": {"triton": lambda: span_candidates_triton(maps, theta, "row"),
+                            "reference": lambda: span_candidates_reference(maps, theta, "row")},
+        "span_rows": {"triton": lambda: span_rows_triton(cands, votes, 3.0, 12, 48, 0.1),
+                      "reference": lambda: span_rows_reference(cands, votes, 3.0, 12, 48, 0.1)},
+        "farthest_point": {"triton": lambda: farthest_point_triton(keys, votes, ranges),
+                           "reference": lambda: farthest_point_reference(keys, votes, ranges)},
+    }
+    ms = {op: {name: do_bench(fn, warmup=5, rep=50, return_mode="median") for name, fn in impls.items()}
+          for op, impls in fns.items()}
+    return {"op": "ltri_spans", "maps": m, "n": n, "feats": feats, "slots": slots, "ms": ms}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--capacity", type=int, default=max(DECODE_LENGTHS), help="decode buffer size S")
+    parser.add_argument("--only", choices=["spans"], help="run only these benchmarks")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
 
     rows = []
-    print(f"{'shape':<13} {'length':>7} " + " ".join(f"{m:>24}" for m in
-          ("triton ms (GB/s)", "triton_graph ms (GB/s)", "sdpa_valid_slice", "sdpa_full_buffer")), flush=True)
-    for shape in SHAPES:
-        for length in DECODE_LENGTHS:
-            r = bench_decode(shape, length, max(args.capacity, length))
+    if args.only is None:
+        print(f"{'shape':<13} {'length':>7} " + " ".join(f"{m:>24}" for m in
+              ("triton ms (GB/s)", "triton_graph ms (GB/s)", "sdpa_valid_slice", "sdpa_full_buffer")), flush=True)
+        for shape in SHAPES:
+            for length in DECODE_LENGTHS:
+                r = bench_decode(shape, length, max(args.capacity, length))
+                rows.append(r)
+                cells = (f"{r['ms'][m]:8.3f} ({r['gb_per_s'][m]:6.0f})" for m in
+                         ("triton", "triton_graph", "sdpa_valid_slice", "sdpa_full_buffer"))
+                print(f"{shape:<13} {length:>7} " + " ".join(f"{c:>24}" for c in cells), flush=True)
+                torch.cuda.empty_cache()
+
+        T = 4096
+        print(f"\n{'shape':<13} {'offset':>7} {'T':>5} {'flex ms (TFLOP/s)':>22} {'reference ms (TFLOP/s)':>24}")
+        for offset in CHUNK_OFFSETS:
+            r = bench_chunk("llama-3.1-8b", offset, T, capacity=131072)
             rows.append(r)
-            cells = (f"{r['ms'][m]:8.3f} ({r['gb_per_s'][m]:6.0f})" for m in
-                     ("triton", "triton_graph", "sdpa_valid_slice", "sdpa_full_buffer"))
-            print(f"{shape:<13} {length:>7} " + " ".join(f"{c:>24}" for c in cells), flush=True)
+            print(f"{r['shape']:<13} {offset:>7} {T:>5} "
+                  f"{r['ms']['flex']:10.3f} ({r['tflop_per_s']['flex']:6.1f}) "
+                  f"{r['ms']['reference_sdpa']:12.3f} ({r['tflop_per_s']['reference_sdpa']:6.1f})", flush=True)
+
+        print(f"\n{'shape':<13} {'T':>5} {'W':>6} {'triton ms (TFLOP/s)':>22} {'reference ms (TFLOP/s)':>24}")
+        for shape in VOTE_SHAPES:
+            r = bench_vote(shape, VOTE_T, VOTE_W)
+            rows.append(r)
+            print(f"{shape:<13} {VOTE_T:>5} {VOTE_W:>6} "
+                  f"{r['ms']['triton']:10.3f} ({r['tflop_per_s']['triton']:6.1f}) "
+                  f"{r['ms']['reference']:12.3f} ({r['tflop_per_s']['reference']:6.1f})", flush=True)
             torch.cuda.empty_cache()
 
-    T = 4096
-    print(f"\n{'shape':<13} {'offset':>7} {'T':>5} {'flex ms (TFLOP/s)':>22} {'reference ms (TFLOP/s)':>24}")
-    for offset in CHUNK_OFFSETS:
-        r = bench_chunk("llama-3.1-8b", offset, T, capacity=131072)
+    print(f"\n{'maps':>5} " + " ".join(f"{op + ' triton / reference ms':>40}" for op in
+          ("span_candidates", "span_rows", "farthest_point")))
+    for m in (4, 128):
+        r = bench_spans(m)
         rows.append(r)
-        print(f"{r['shape']:<13} {offset:>7} {T:>5} "
-              f"{r['ms']['flex']:10.3f} ({r['tflop_per_s']['flex']:6.1f}) "
-              f"{r['ms']['reference_sdpa']:12.3f} ({r['tflop_per_s']['reference_sdpa']:6.1f})", flush=True)
-
-    print(f"\n{'shape':<13} {'T':>5} {'W':>6} {'triton ms (TFLOP/s)':>22} {'reference ms (TFLOP/s)':>24}")
-    for shape in VOTE_SHAPES:
-        r = bench_vote(shape, VOTE_T, VOTE_W)
-        rows.append(r)
-        print(f"{shape:<13} {VOTE_T:>5} {VOTE_W:>6} "
-              f"{r['ms']['triton']:10.3f} ({r['tflop_per_s']['triton']:6.1f}) "
-              f"{r['ms']['reference']:12.3f} ({r['tflop_per_s']['reference']:6.1f})", flush=True)
-        torch.cuda.empty_cache()
+        print(f"{m:>5} " + " ".join(f"{r['ms'][op]['triton']:18.3f} / {r['ms'][op]['reference']:8.3f}" + " " * 11
+                                    for op in ("span_candidates", "span_rows", "farthest_point")), flush=True)
 
     result = {
         "device": torch.cuda.get_device_name(),
