@@ -170,3 +170,46 @@ def test_diagonal_blocks_equal_a_stack_of_slices(n, lo, count, b):
     want = torch.stack([a[lo + k * b:lo + (k + 1) * b, lo + k * b:lo + (k + 1) * b] for k in range(count)])
     got = sp.diagonal_blocks(a, lo, count, b)
     assert torch.equal(got, want) and got.is_contiguous()
+
+
+def _query_rows_loop(query, key, scaling, block, cfg, lam) -> list[int]:
+    """The chunk's query index rows one map at a time: its own causal map as an explicit softmax over the chunk's
+    keys, summed over heads, each block's map divided (`divide_many`) and allocated (`allocate`)."""
+    _, Hq, T, D = query.shape
+    hkv = key.shape[1]
+    q = query[0].double().view(hkv, Hq // hkv, T, D)
+    s = (q @ key[0, :, None].double().transpose(-1, -2)) * scaling
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    amap = torch.softmax(s, dim=-1).sum(dim=(0, 1)).float()
+    votes = amap.sum(dim=0)
+    rows = []
+    for lo in range(0, T, block):
+        width = min(block, T - lo)
+        found = sp.divide_many(amap[None, lo:lo + width, lo:lo + width], cfg.threshold, cfg.iou, cfg.ratio_mode)[0]
+        rows.extend(lo + r for r in sp.allocate(found, votes[lo:lo + width], lam, cfg.min_vectors, cfg.max_vectors))
+    return rows
+
+
+@pytest.mark.parametrize("T", [256, 300, 77], ids=["T256-two-blocks", "T300-with-a-short-piece", "T77-one-short"])
+def test_query_vectors_are_the_rows_each_block_map_chooses(T):
+    """The engine's query side (the chunk's map through vote_attention, span_rows per piece, a static count with a
+    mask) chooses the rows the one-map-at-a-time definition chooses, ordered by row."""
+    from types import SimpleNamespace
+
+    from engines.ltri.config import LtriConfig
+    from engines.ltri.index import Indexer
+
+    g = torch.Generator().manual_seed(42)
+    Hq, hkv, D, block, width = 4, 2, 16, 128, 1000
+    cfg = LtriConfig(block_size=block, n_local=256, n_init=128)
+    indexer = Indexer(cfg, SimpleNamespace(num_attention_heads=Hq))
+    offset = 5000
+    key = torch.randn(1, hkv, width, D, generator=g)
+    key_pos = torch.cat([torch.arange(width - T), torch.arange(offset, offset + T)])
+    query = torch.randn(1, Hq, T, D, generator=g)
+    layer = SimpleNamespace(width=width, key_pos=key_pos, block=block)
+    cache = SimpleNamespace(offset=offset, lams={})
+    qvec, chosen = indexer._query_vectors(layer, 7, query, key, D**-0.5, cache)
+    assert qvec.shape[0] == chosen.shape[0] <= T
+    want = _query_rows_loop(query, key[:, :, width - T:], D**-0.5, block, cfg, indexer.lam(7, cache))
+    assert torch.equal(qvec[chosen], query[0][:, want].transpose(0, 1))
