@@ -2,9 +2,11 @@
 
 One Indexer per engine, holding settings only: a document's state (queues, lam calibration, counters) lives on
 its LtriCache.
-Span scoring runs on the maps' device (engines/ltri/spans.py); the host does the NMS; index vectors are picked
-on the host by votes (the paper) or on the device by farthest-point sampling of the keys (`pick: cover`).
-Stored-side span division is queued per layer and run once per chunk for all layers (`flush`).
+The query side runs on the compute device without waiting for it: the chunk's own map (kernels/vote_attention),
+its span candidates (kernels/span_candidates) and the rows its spans choose (kernels/span_rows, a static count
+with a mask). The stored side is queued per layer and divided once per chunk for all layers (`flush`): candidates
+on the device, NMS on the host, index vectors picked by votes (the paper) or by farthest-point sampling of the
+keys on the device (`pick: cover`, kernels/farthest_point).
 """
 
 from __future__ import annotations

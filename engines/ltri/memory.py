@@ -161,13 +161,13 @@ class IndexMemory:
         self.offset.append(offsets)
 
     def block_scores(self, query: torch.Tensor, n_blocks: int,
-                     counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """query: [A, Hkv, D] head-weighted query vectors, of which those where counts [A] (bool) is set take
+                     chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """query: [A, Hkv, D] head-weighted query vectors, of which those where chosen [A] (bool) is set take
         part (None: all) -> [n_blocks] best dot product of any vector of the block with any query vector (blocks
         without vectors: -inf), and [n_blocks] the offset in its block of the vector that scored it (-1: none)."""
         sims = torch.einsum("akd,nkd->an", query.float(), self.vectors.used.float())
-        if counts is not None:
-            sims.masked_fill_(~counts[:, None], float("-inf"))
+        if chosen is not None:
+            sims.masked_fill_(~chosen[:, None], float("-inf"))
         sims = sims.amax(dim=0)
         block = self.block.used
         out = torch.full((n_blocks,), float("-inf"), dtype=torch.float32, device=sims.device)

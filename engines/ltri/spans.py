@@ -1,10 +1,11 @@
 """Semantic span division (Ltri-LLM section 3.2, appendices D-E) and dynamic index counts (section 3.3.2).
 
-Scoring is batched torch on the maps' own device (all blocks of a chunk at once: threshold, triangle scores,
-the anti-diagonal filter and every candidate's confidence); only the candidates, at most 2n - 1 per map, go to
-the host for the greedy NMS, run for every map at once in numpy rounds (one kept span per map a round). The
-paper's equations are not in our copy of the text; what follows is our reading of its prose, stated where it
-is a choice:
+Scoring runs on the maps' own device for every map of a batch at once (the threshold here; triangle scores, the
+anti-diagonal filter and every candidate's confidence in kernels/span_candidates); for the stored side only the
+candidates, at most 2n - 1 per map, go to the host for the greedy NMS, run for every map at once in numpy rounds
+(kernels/span_rows.greedy_nms); the query side keeps them on the device (kernels/span_rows). The paper's
+equations are not in our copy of the text; what follows is our reading of its prose, stated where it is a
+choice:
 
 - The map A [n, n] is the block's causal attention (queries x keys of the same tokens), summed over heads.
 - Threshold (Eq. 5): theta is the `threshold` quantile of A's causal cells (the paper: ~90th percentile);
