@@ -36,6 +36,8 @@ PLANNED = [
     ("sas-streaming-llm-h2o", {}),  # an H2O pool: scores per row
     ("ltri-stream", {}),
     ("ltri-stream", {"n_init": 64, "block_size": 64, "top_k": 4, "n_local": 256}),  # blocks leave: an index
+    # Positions re-assigned: the rotated keys decode reads.
+    ("ltri-stream", {"n_init": 64, "block_size": 64, "top_k": 4, "n_local": 256, "positions": "cache"}),
 ]
 
 

@@ -61,6 +61,8 @@ class LtriLayer(OwnedRowsLayer):
         # Re-assigned positions of the rows in front of the window (init, then the retrieved blocks in document
         # order, whatever slots they sit in): see `assigned`.
         self.front_at = torch.arange(self.local0, device=self.device)
+        # Re-assigned positions: the rows' keys rotated for decode steps (`begin_decode`, `attended`).
+        self.rotated = torch.empty_like(self.keys) if self.owner.positions is not None else None
         if self.retrieve:
             pin = self.device.type == "cuda"
             # Sized for the whole document up front (the cache knows its length): a growing pinned slab would
@@ -118,10 +120,26 @@ class LtriLayer(OwnedRowsLayer):
 
     def attended(self, keys: torch.Tensor) -> torch.Tensor:
         """The rows' keys as attention reads them: rotated at `assigned` where positions are re-assigned (a new
-        tensor; else the buffers themselves)."""
-        if self.owner.positions is None:
+        tensor in prefill, `rotated` in decode steps; else the buffers themselves)."""
+        positions = self.owner.positions
+        if positions is None:
             return keys
-        return self.owner.positions.rotate(keys, self.assigned(), self.is_sliding, below=self.rows)
+        if self.owner.decoding:
+            # Only the row this step wrote is new: no other row's key or assigned position changes while decoding.
+            pos = self.owner.position_on(self.device)
+            row = pos - self.shift
+            new = positions.rotate(keys.index_select(2, row), pos - positions.shift_on(self.device), self.is_sliding,
+                                   below=self.rows)
+            return self.rotated.index_copy_(2, row, new)
+        return positions.rotate(keys, self.assigned(), self.is_sliding, below=self.rows)
+
+    def begin_decode(self) -> None:
+        """Before the first decode step: `rotated` holds every row's key at its assigned position, which stays
+        fixed while decoding (the answer only appends rows; each step rotates its own in `attended`), so a step
+        reads the rows once instead of rotating them all again."""
+        if self.rotated is not None:
+            self.rotated.copy_(self.owner.positions.rotate(self.keys, self.assigned(), self.is_sliding,
+                                                           below=self.rows))
 
     def reattend_slots(self, attended: torch.Tensor) -> None:
         """After the retrieval slots were filled: their rows of `attended` (from `attended`) rotated afresh."""
@@ -227,7 +245,8 @@ class LtriLayer(OwnedRowsLayer):
         if not self.is_initialized:
             return 0
         index = self.index.nbytes() if self.retrieve else 0
-        return self.keys.nbytes + self.values.nbytes + self.key_pos.nbytes + self.votes.nbytes + index
+        rotated = self.rotated.nbytes if self.rotated is not None else 0
+        return self.keys.nbytes + self.values.nbytes + self.key_pos.nbytes + self.votes.nbytes + index + rotated
 
 
 def layer_specs(model_config, cfg, room: int) -> list[dict]:

@@ -37,6 +37,7 @@ from engines.ltri.config import LtriConfig
 from engines.ltri.heads import cached_heads
 from engines.ltri.index import Indexer
 from engines.ltri.memory import context_blocks
+from engines.positions import context_limit, reassigns
 from kernels.decode_attention import decode_backend
 from kernels.vote_attention import vote_attention_backend
 
@@ -164,6 +165,7 @@ class LtriEngine(Engine):
                 raise ValueError(f"ltri-stream window has no room for {n_new} new tokens")
             # Decode: the token at position p goes to row p - shift, right after the window.
             layer.shift.fill_(state.position - (layer.local0 + layer.local_len))
+            layer.begin_decode()
         return logits
 
     reusable = True
@@ -192,11 +194,13 @@ class LtriEngine(Engine):
     @classmethod
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None, *, chunk_size: int,
                     reserve: int) -> int:
-        """Device bytes: every layer's bounded rows (K, V, position and votes; room for a chunk, or the
-        question and the answer), independent of the document's length, plus the index vectors at their bound,
-        max_vectors per stored block (index_plan_bytes)."""
+        """Device bytes: every layer's bounded rows (K, V, position and votes, and on re-assigned positions the
+        rotated keys decode reads; room for a chunk, or the question and the answer), independent of the
+        document's length, plus the index vectors at their bound, max_vectors per stored block (index_plan_bytes)."""
         cfg = engine_config or LtriConfig()
         per_row = kv_token_bytes(model_config, dtype_bytes) + _ROW_BYTES
+        if reassigns(cfg.positions, n_tokens, context_limit(model_config)):
+            per_row += kv_token_bytes(model_config, dtype_bytes) // 2  # the rotated keys decode reads (`attended`)
         rows = sum(LtriLayer.rows_for(**spec) for spec in layer_specs(model_config, cfg, _room(chunk_size, reserve)))
         return rows * per_row + index_plan_bytes(model_config, cfg, n_tokens, dtype_bytes)
 
