@@ -15,7 +15,6 @@ import cProfile
 import io
 import json
 import pstats
-import sys
 import time
 
 import torch
@@ -25,6 +24,7 @@ from engines import ENGINES
 from longctx_cli.home import longctx_home
 from longctx_cli.models import load_model
 from longctx_cli.options import profile_from_flags
+from longctx_cli.report import run_stamp
 from longctx_cli.units import parse_count
 
 
@@ -95,9 +95,7 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
     if args.json:
-        meta = {"command": " ".join(["python", *sys.argv]),
-                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%d"), "random_weights": args.model.startswith("random:"), "results": results}
+        meta = {**run_stamp(), "random_weights": args.model.startswith("random:"), "results": results}
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=1)
 

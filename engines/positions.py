@@ -93,7 +93,8 @@ class Positions:
         """A decode step fed the token at document `position` (for the report's largest position)."""
         self.largest = max(self.largest, position - self.shift)
 
-    def cos_sin(self, positions: torch.Tensor, sliding: bool, below: int | None = None):
+    def cos_sin(self, positions: torch.Tensor, sliding: bool,
+                below: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] (any device) -> cos, sin [..., D] in fp32, the model's own rotation at them. below: a
         bound the caller knows on the host (every position < below), so the rotation can be looked up in a
         table made once (the rotary module costs about ten launches a call, and prefill rotates every layer's
@@ -136,7 +137,8 @@ class Positions:
             self._rotaries[device] = rotary
         return self._rotaries[device]
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, sliding: bool, below: int | None = None) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, sliding: bool,
+               below: int | None = None) -> torch.Tensor:
         """x: [B, H, R, D] un-rotated keys -> rotated at positions ([R] or [B, H, R]; all < below where given),
         in x's dtype."""
         cos, sin = self.cos_sin(positions, sliding, below)
@@ -145,7 +147,8 @@ class Positions:
         xf = x.float()
         return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
 
-    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, sliding: bool, below: int | None = None) -> torch.Tensor:
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, sliding: bool,
+                 below: int | None = None) -> torch.Tensor:
         """The inverse of `rotate` (the rotary's attention scaling divided out): x [B, H, T, D] rotated at
         positions [T] (all < below where given) -> un-rotated, in x's dtype."""
         cos, sin = self.cos_sin(positions, sliding, below)

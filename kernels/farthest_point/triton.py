@@ -1,6 +1,6 @@
 """Farthest-point sampling in one Triton launch: one program per block runs every slot's step.
 
-The batched reference takes about a dozen launches per slot (up to 48 slots a chunk); here a program keeps its
+The batched reference takes more than a dozen launches per slot (up to 48 slots a chunk); here a program keeps its
 block's picked flags and running distances in registers and streams the keys from L2 once per slot, in tiles
 of features.
 """

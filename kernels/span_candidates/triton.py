@@ -1,6 +1,6 @@
 """Span candidates in one Triton launch: one program per map, from the map to its best span per midpoint.
 
-The reference is some sixty small torch operations per batch of maps (prefix sums, a gather per anti-diagonal,
+The reference is dozens of small torch operations per batch of maps (prefix sums, a gather per anti-diagonal,
 four gathers per rectangle sum); prefill issues a batch for every layer and chunk. Here a program loads its map,
 forms both float64 prefix sums in registers (the thresholded map's for the triangle scores, the raw map's for
 the confidence), writes them to a scratch buffer, and reads them back along the anti-diagonals. The prefix sums
