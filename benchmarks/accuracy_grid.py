@@ -113,6 +113,22 @@ def _done_cells(path: str | None) -> set[tuple[str, str, str]]:
     return {(r["profile"], r["task"], str(r["length"])) for r in json.loads(Path(path).read_text())["rows"]}
 
 
+def _joined(rows: list[dict]) -> dict:
+    """One row from rows of the same cell on different seeds: samples added, scores and times averaged over
+    the samples."""
+    if len(rows) == 1:
+        return rows[0]
+    n = sum(r["samples"] for r in rows)
+    out = {**rows[0], "samples": n}
+    for key, value in rows[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("samples", "length"):
+            values = [r.get(key) for r in rows]
+            out[key] = None if None in values else sum(v * r["samples"] for v, r in zip(values, rows)) / n
+    if any(r.get("partial") for r in rows):
+        out["partial"] = True
+    return out
+
+
 def merge(paths: list[Path], commands: list[str] | None = None, order: list[str] | None = None) -> dict:
     """One accuracy result from several: rows joined, each sample's results joined; the model and each profile's
     settings must agree."""
@@ -128,12 +144,17 @@ def merge(paths: list[Path], commands: list[str] | None = None, order: list[str]
             if settings.setdefault(name, value) != value:
                 raise SystemExit(f"cannot merge: the settings of {name} differ between results")
     order = [n for n in (order or []) if n in settings] + [n for n in settings if n not in (order or [])]
-    order = [n for n in order if n != "dense"] + ["dense"]
-    # A cell that ran twice (a group resumed after one member finished it) keeps its first run, like its samples.
-    unique = {}
-    for r in (r for p in parts for r in p["rows"]):
-        unique.setdefault((r["profile"], r["task"], r["length"]), r)
-    rows = sorted(unique.values(), key=lambda r: (order.index(r["profile"]), r["task"], r["length"]))
+    # Dense last, where the parts ran it (`--compare none` parts have no dense column).
+    order = [n for n in order if n != "dense"] + (["dense"] if "dense" in settings else [])
+    # A cell that ran twice (a group resumed after one member finished it) keeps its first run, like its samples;
+    # parts that split a cell by seed join into one row.
+    unique: dict[tuple, dict] = {}
+    for part in parts:
+        seeds = tuple(sorted({s["seed"] for s in part["samples"]}))
+        for r in part["rows"]:
+            unique.setdefault((r["profile"], r["task"], r["length"]), {}).setdefault(seeds, r)
+    rows = sorted((_joined(list(runs.values())) for runs in unique.values()),
+                  key=lambda r: (order.index(r["profile"]), r["task"], r["length"]))
     samples, differ = {}, 0
     for part in parts:
         for record in part["samples"]:

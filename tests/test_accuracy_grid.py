@@ -55,6 +55,24 @@ def test_merge_joins_each_samples_results_and_counts_differing_dense(tmp_path):
     assert again["cells"] == 2 and again["rows"] == merged["rows"]
 
 
+def test_merge_joins_a_cell_split_by_seed_without_dense(tmp_path):
+    """`--compare none` parts of one cell on two seeds: one row over every sample, no dense column."""
+    parts = []
+    for seed, scores in ((0, [100, 0]), (1, [100, 100, 100])):
+        part = _part("ltri-stream", "ltri-stream", scores, scores)
+        part["engine_settings"].pop("dense")
+        for record in part["samples"]:
+            record["seed"], record["prompt_hash"] = seed, f"{seed}-{record['index']}"
+            record["results"].pop("dense")
+        part["rows"][0]["dense_score"] = None
+        parts.append(_write(tmp_path, f"s{seed}", part))
+    merged = grid.merge(parts)
+    assert list(merged["engine_settings"]) == ["ltri-stream"]
+    (row,) = merged["rows"]
+    assert row["samples"] == 5 and row["score"] == 80.0 and row["dense_score"] is None
+    assert len(merged["samples"]) == 5
+
+
 def test_merge_refuses_results_that_disagree(tmp_path):
     a = _part("resa", "resa", [100], [100])
     b = _part("resa", "resa", [100], [100])
