@@ -1,5 +1,6 @@
 """Kernel benchmarks on a GPU: decode_attention (Triton vs SDPA), chunk_attention (Flex vs SDPA reference),
-vote_attention and ltri-stream's span kernels (span_candidates, span_rows, farthest_point; Triton vs reference).
+vote_attention, ltri-stream's span kernels (span_candidates, span_rows, farthest_point; Triton vs reference) and its
+block loads (gather_blocks from pinned host memory vs a copy per block).
 
     python benchmarks/bench_kernels.py --out results.json
 
@@ -9,7 +10,9 @@ that reads the whole buffer shows as low bandwidth. Vote attention: one ltri-str
 over W rows (positions shuffled, the chunk's own rows last), out + votes + own map. Span kernels: a chunk's
 maps (the query side, 4 maps of 128 rows per layer) and a chunk's evicted blocks over every layer of the 8B shape
 (128 maps; farthest-point over their keys, 1,024 features, 48 slots); the references include their host work.
-Times are do_bench medians in ms.
+Block loads: one layer's 16 retrieval slots of the 8B shape (8 KV heads x 128 tokens x 128) from 1,024 pinned
+blocks, bf16 or fp8 with scales; the per-block path is ContextMemory.load's (two async copies a block, or a copy and
+a dequantisation for fp8). Times are do_bench medians in ms.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engines.ltri.memory import ContextMemory  # noqa: E402
 from kernels.chunk_attention.flex import chunk_attention_flex  # noqa: E402
 from kernels.chunk_attention.reference import chunk_attention as chunk_reference  # noqa: E402
 from kernels.decode_attention.triton import decode_attention_triton, num_splits_for  # noqa: E402
 from kernels.farthest_point import farthest_point_reference  # noqa: E402
+from kernels.gather_blocks.triton import gather_blocks_triton  # noqa: E402
 from kernels.farthest_point.triton import farthest_point_triton  # noqa: E402
 from kernels.span_candidates import span_candidates_reference  # noqa: E402
 from kernels.span_candidates.triton import span_candidates_triton  # noqa: E402
@@ -138,11 +143,36 @@ def bench_spans(m: int, n: int = 128, feats: int = 1024, slots: int = 48) -> dic
     return {"op": "ltri_spans", "maps": m, "n": n, "feats": feats, "slots": slots, "ms": ms}
 
 
+def bench_gather(fp8: bool, slots: int = 16, heads: int = 8, block: int = 128, dim: int = 128,
+                 stored: int = 1024) -> dict:
+    """One layer's retrieval: `slots` blocks of a pinned context memory into the slot rows, every slot loading."""
+    memory = ContextMemory(heads, block, dim, torch.bfloat16, pin=True, blocks=stored, fp8=fp8)
+    for _ in range(stored // 64):
+        memory.add(torch.randn(heads, 64 * block, dim, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(heads, 64 * block, dim, device="cuda", dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+    rows = torch.zeros(2, heads, slots * block, dim, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randperm(stored, device="cuda")[:slots]
+    host_ids = ids.tolist()
+    src = (memory.keys.used, memory.values.used, memory.scales.used if fp8 else None)
+
+    def per_block():
+        for s, b in enumerate(host_ids):
+            memory.load(b, rows[0, :, s * block:(s + 1) * block], rows[1, :, s * block:(s + 1) * block])
+
+    fns = {"gather_blocks": lambda: gather_blocks_triton(rows[0], rows[1], *src[:2], ids, src[2]),
+           "per_block_copies": per_block}
+    ms = {name: do_bench(fn, warmup=5, rep=100, return_mode="median") for name, fn in fns.items()}
+    moved = slots * memory.block_bytes
+    return {"op": "gather_blocks", "fp8": fp8, "slots": slots, "heads": heads, "block": block, "dim": dim,
+            "stored": stored, "bytes": moved, "ms": ms, "gb_per_s": {n: moved / (t / 1e3) / 1e9 for n, t in ms.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--capacity", type=int, default=max(DECODE_LENGTHS), help="decode buffer size S")
-    parser.add_argument("--only", choices=["spans"], help="run only these benchmarks")
+    parser.add_argument("--only", choices=["spans", "gather"], help="run only these benchmarks")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -178,13 +208,23 @@ def main() -> None:
                   f"{r['ms']['reference']:12.3f} ({r['tflop_per_s']['reference']:6.1f})", flush=True)
             torch.cuda.empty_cache()
 
-    print(f"\n{'maps':>5} " + " ".join(f"{op + ' triton / reference ms':>40}" for op in
-          ("span_candidates", "span_rows", "farthest_point")))
-    for m in (4, 128):
-        r = bench_spans(m)
-        rows.append(r)
-        print(f"{m:>5} " + " ".join(f"{r['ms'][op]['triton']:18.3f} / {r['ms'][op]['reference']:8.3f}" + " " * 11
-                                    for op in ("span_candidates", "span_rows", "farthest_point")), flush=True)
+    if args.only in (None, "spans"):
+        print(f"\n{'maps':>5} " + " ".join(f"{op + ' triton / reference ms':>40}" for op in
+              ("span_candidates", "span_rows", "farthest_point")))
+        for m in (4, 128):
+            r = bench_spans(m)
+            rows.append(r)
+            print(f"{m:>5} " + " ".join(f"{r['ms'][op]['triton']:18.3f} / {r['ms'][op]['reference']:8.3f}" + " " * 11
+                                        for op in ("span_candidates", "span_rows", "farthest_point")), flush=True)
+
+    if args.only in (None, "gather"):
+        print(f"\n{'memory':>7} {'MB':>6} {'gather_blocks ms (GB/s)':>26} {'per-block copies ms (GB/s)':>28}")
+        for fp8 in (False, True):
+            r = bench_gather(fp8)
+            rows.append(r)
+            print(f"{'fp8' if fp8 else 'bf16':>7} {r['bytes'] / 1e6:6.1f} " + " ".join(
+                f"{r['ms'][n]:14.3f} ({r['gb_per_s'][n]:6.1f})" for n in ("gather_blocks", "per_block_copies")),
+                flush=True)
 
     result = {
         "device": torch.cuda.get_device_name(),

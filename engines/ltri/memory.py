@@ -1,6 +1,6 @@
 """Where evicted tokens live: CPU context memory (K/V in blocks) and the device-side index memory.
 
-Context memory is host RAM, pinned when the model is on a GPU so block loads are plain async copies; one
+Context memory is host RAM, pinned when the model is on a GPU so a kernel reads retrieved blocks from it directly; one
 slab per layer, sized for the document (doubling if it ever runs out). The index memory holds the span index
 vectors (keys of the chosen tokens, every KV head) and the block each belongs to; it stays on the compute
 device, as in the paper, and is the only device-side state that grows with the document (a few percent of
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cdiv
+from kernels.gather_blocks import gather_blocks
 
 
 class _Growable:
@@ -137,6 +138,24 @@ class ContextMemory:
         for dst, src, s in ((keys, k, scale[0]), (values, v, scale[1])):
             dst.copy_(src.to(keys.device, non_blocking=True).float() * s[:, None, None])
         return 2 * k.nbytes + self._block(2, block_id).nbytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block's load moves host -> device: its K and V (and fp8 scales)."""
+        heads, block, dim = self.keys.shape
+        return 2 * heads * block * dim * self.keys.data.element_size() + (2 * heads * 4 if self.fp8 else 0)
+
+    def gather(self, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> None:
+        """Block ids[s] into slot s of keys/values [Hkv, S * block, D] (device rows), for every ids[s] >= 0;
+        ids [S] on the rows' device. One kernel reads the pinned slabs without the ids leaving the device; blocks
+        adopted from a saved state (pageable host memory) load one by one after the ids come to the host."""
+        if self.base:
+            block = self.keys.shape[1]
+            for s, b in enumerate(ids.tolist()):
+                if b >= 0:
+                    self.load(b, keys[:, s * block:(s + 1) * block], values[:, s * block:(s + 1) * block])
+            return
+        gather_blocks(keys, values, self.keys.used, self.values.used, ids, self.scales.used if self.fp8 else None)
 
     def nbytes(self) -> int:
         return sum(slab.nbytes() for slab in self.slabs()) + sum(t.nbytes for t in self.base)
