@@ -194,54 +194,18 @@ def test_a_block_matched_in_its_tail_brings_its_successor():
     from engines.ltri import LtriConfig
     from engines.ltri.index import Indexer
 
+    cache = SimpleNamespace(stats={"successors": 0})
     indexer = Indexer(LtriConfig(block_size=128, successor_tail=32), SimpleNamespace(num_attention_heads=4))
-
-    def wanted(scores, where, k):
-        ids, successors = indexer._with_successors(scores, where, k, 128)
-        return ids.tolist(), int(successors)
-
     scores = torch.tensor([0.1, 0.9, 0.2, 0.8, 0.3, 0.7])
     where = torch.tensor([0, 100, 0, 10, 0, 127])  # block 1 matched at 100 (tail: >= 96), block 3 at 10
-    assert wanted(scores, where, 3) == ([1, 2, 3], 1)  # 2 displaces block 5
-    assert wanted(scores, where, 2) == ([1, 2], 1)
+    assert indexer._with_successors(scores, where, 3, 128, cache) == [1, 2, 3]  # 2 displaces block 5
+    assert cache.stats["successors"] == 1
+    assert indexer._with_successors(scores, where, 2, 128, cache) == [1, 2]
     # The last stored block has no successor in memory (the next one is still in the window).
-    assert wanted(scores, where, 1) == ([1], 0)
-    assert wanted(torch.tensor([0.0, 1.0]), torch.tensor([0, 120]), 2) == ([0, 1], 0)
-    # Two tail matches in a row: block 3 comes as block 2's successor, then 4 as block 3's, ahead of block 1.
-    assert wanted(torch.tensor([0.0, 0.5, 0.9, 0.8, 0.1, 0.2]), torch.tensor([0, 0, 120, 120, 0, 0]), 3) == \
-        ([2, 3, 4], 2)
+    assert indexer._with_successors(scores, where, 1, 128, cache) == [1]
+    assert indexer._with_successors(torch.tensor([0.0, 1.0]), torch.tensor([0, 120]), 2, 128, cache) == [0, 1]
     indexer.cfg.successor_tail = 0
-    assert wanted(scores, where, 3) == ([1, 3, 5], 0)
-
-
-def _successors_loop(scores, where, k, block, tail) -> list[int]:
-    """The successor rule one candidate at a time: the definition the batched selection follows."""
-    out = []
-    for b, w in zip(scores.topk(k).indices.tolist(), where[scores.topk(k).indices].tolist()):
-        if len(out) >= k:
-            break
-        if b not in out:
-            out.append(b)
-        if w >= block - tail and b + 1 < scores.numel() and b + 1 not in out and len(out) < k:
-            out.append(b + 1)
-    return sorted(out)
-
-
-def test_successor_selection_equals_the_loop():
-    from types import SimpleNamespace
-
-    from engines.ltri import LtriConfig
-    from engines.ltri.index import Indexer
-
-    indexer = Indexer(LtriConfig(block_size=16, successor_tail=6), SimpleNamespace(num_attention_heads=4))
-    g = torch.Generator().manual_seed(42)
-    for _ in range(200):
-        n = int(torch.randint(2, 40, (1,), generator=g))
-        k = int(torch.randint(1, n + 1, (1,), generator=g))
-        scores = torch.randn(n, generator=g)
-        where = torch.randint(-1, 16, (n,), generator=g)
-        got, _ = indexer._with_successors(scores, where, k, 16)
-        assert got.tolist() == _successors_loop(scores, where, k, 16, 6)
+    assert indexer._with_successors(scores, where, 3, 128, cache) == [1, 3, 5]
 
 
 def test_flush_outside_inference_mode_indexes_blocks_made_inside_it():

@@ -36,10 +36,7 @@ class LtriLayer(OwnedRowsLayer):
         self.rows = self.rows_for(n_init, n_retrieved, n_local, block, room)
         self.local_len = 0  # rows of the local window in use
         self.local_start = n_init  # position of local row 0
-        # Block id per retrieval slot (-1: empty), on the layer's device once it has one: retrieval picks the
-        # blocks there and nothing waits for the device to learn them (`slots` reads them back).
-        self.slot_ids = torch.full((n_retrieved // block,), -1, dtype=torch.long)
-        self.n_held = 0  # slots holding a block (known on the host: every wanted block is held)
+        self.slots = [-1] * (n_retrieved // block)  # block id per retrieval slot
         self.pending: dict[int, list] = {}  # block id -> spans, for blocks still in the window
         self.peak_rows = 0  # most valid rows ever held (measured at every chunk)
 
@@ -64,7 +61,6 @@ class LtriLayer(OwnedRowsLayer):
         # Re-assigned positions of the rows in front of the window (init, then the retrieved blocks in document
         # order, whatever slots they sit in): see `assigned`.
         self.front_at = torch.arange(self.local0, device=self.device)
-        self.slot_ids = self.slot_ids.to(self.device)
         # Re-assigned positions: the rows' keys rotated for decode steps (`begin_decode`, `attended`).
         self.rotated = torch.empty_like(self.keys) if self.owner.positions is not None else None
         if self.retrieve:
@@ -175,17 +171,7 @@ class LtriLayer(OwnedRowsLayer):
 
     def valid_rows(self) -> int:
         init = min(self.n_init, self.owner.filled)
-        return init + self.block * self.n_held + self.local_len
-
-    @property
-    def slots(self) -> list[int]:
-        """Block id per retrieval slot (-1: empty), read back from the device."""
-        return self.slot_ids.tolist()
-
-    @slots.setter
-    def slots(self, ids: list[int]) -> None:
-        self.slot_ids = torch.tensor(ids, dtype=torch.long, device=getattr(self, "device", None))
-        self.n_held = sum(b >= 0 for b in ids)
+        return init + self.block * sum(s >= 0 for s in self.slots) + self.local_len
 
     def first_full_block(self) -> int:
         """Id of the oldest block of the window (block b holds positions n_init + b * block ...)."""
@@ -204,43 +190,45 @@ class LtriLayer(OwnedRowsLayer):
         self.local_len, self.local_start = keep, self.local_start + n
         return out
 
-    def load_blocks(self, wanted) -> torch.Tensor:
-        """Makes the retrieval slots hold exactly `wanted` (distinct block ids, at most one per slot: a list or an
-        int64 tensor); blocks already there stay, the k-th missing block takes the k-th free slot, and free slots
-        left over are emptied. Every step runs on the device, the blocks come straight from context memory
-        (kernels/gather_blocks), and nothing waits for the device. Returns the bytes copied host -> device (a
-        device tensor)."""
-        wanted = torch.as_tensor(wanted, dtype=torch.long).to(self.device, non_blocking=True)
-        ids, n = self.slot_ids, self.slot_ids.shape[0]
-        free = ~(ids[:, None] == wanted[None, :]).any(dim=1)  # [S] slots not holding a wanted block
-        missing = ~(wanted[:, None] == ids[None, :]).any(dim=1)  # [m] wanted blocks not held
-        queue = torch.full((n + 1,), -1, dtype=torch.long, device=self.device)  # missing blocks, in order
-        queue.scatter_(0, torch.where(missing, missing.cumsum(0) - 1, n), wanted)
-        new = torch.where(free, queue[(free.cumsum(0) - 1).clamp(min=0)], ids)
-        load = torch.where(free, new, -1)
-        ids.copy_(new)
-        self.n_held = wanted.shape[0]
+    def load_blocks(self, wanted: list[int]) -> int:
+        """Makes the retrieval slots hold exactly `wanted` (block ids); blocks already there stay, the k-th
+        missing block takes the k-th free slot. The blocks come from context memory in one launch
+        (kernels/gather_blocks: it reads the pinned memory itself, where a copy per block costs a launch each).
+        Returns the bytes copied host -> device."""
+        keep, held = set(wanted), set(self.slots)
+        free = [s for s, b in enumerate(self.slots) if b not in keep]
+        missing = [b for b in wanted if b not in held]
+        load = [-1] * len(self.slots)
+        for s, b in zip(free, missing):
+            self.slots[s] = load[s] = b
+        for s in free[len(missing):]:
+            self.slots[s] = -1
         lo, hi = self.n_init, self.local0
-        self.memory.gather(self.keys[0, :, lo:hi], self.values[0, :, lo:hi], load)
-        at = self.n_init + ids[:, None] * self.block + torch.arange(self.block, device=self.device)
-        self.key_pos[lo:hi] = at.masked_fill(ids[:, None] < 0, -1).flatten()
+        if missing:
+            self.memory.gather(self.keys[0, :, lo:hi], self.values[0, :, lo:hi], load)
+        if free:
+            self.key_pos[lo:hi].copy_(self._slot_positions(), non_blocking=True)
         self.order_slots()
-        return (load >= 0).sum() * self.memory.block_bytes
+        return len(missing) * self.memory.block_bytes
+
+    def _slot_positions(self) -> torch.Tensor:
+        """[n_retrieved] (host) each slot row's document position (-1: empty slot), in one copy to the device."""
+        ids = torch.tensor(self.slots)[:, None]
+        at = self.n_init + ids * self.block + torch.arange(self.block)
+        return at.masked_fill(ids < 0, -1).flatten()
 
     def order_slots(self) -> None:
         """`front_at` for the slots as they are: the k-th retrieved block in document order takes the k-th block
         of positions after the init tokens (a needle cut by a block boundary reads on in order)."""
         if self.owner.positions is None:
             return
-        ids = self.slot_ids
-        device = ids.device
+        ids = torch.tensor(self.slots)
         # Rank of each slot's block in document order: empty slots (-1) sort first, so they are counted out.
         rank = ids.argsort(stable=True).argsort() - (ids < 0).sum()
-        at = self.n_init + rank[:, None] * self.block + torch.arange(self.block, device=device)
-        front = torch.cat([torch.arange(self.n_init, device=device), at.flatten()])
-        held = torch.cat([torch.ones(self.n_init, dtype=torch.bool, device=device),
-                          (ids >= 0)[:, None].expand(-1, self.block).flatten()])
-        self.front_at.copy_(torch.where(held, front, torch.arange(self.local0, device=device)))
+        at = self.n_init + rank[:, None] * self.block + torch.arange(self.block)
+        front = torch.cat([torch.arange(self.n_init), at.flatten()])
+        held = torch.cat([torch.ones(self.n_init, dtype=torch.bool), (ids >= 0).repeat_interleave(self.block)])
+        self.front_at.copy_(torch.where(held, front, torch.arange(self.local0)), non_blocking=True)
 
     def nbytes(self) -> int:
         """Device-side state: the bounded rows (K, V, positions, votes) and the index memory."""
@@ -279,21 +267,6 @@ class LtriCache(StaticKVCache):
         self.lam_samples: dict[int, list[tuple[int, float]]] = {}  # (length, confidence) of recent spans
         self.stats = {"host_to_device_bytes": 0, "device_to_host_bytes": 0, "blocks_retrieved": 0,
                       "retrievals": 0, "spans": 0, "blocks_indexed": 0, "successors": 0}
-        self.device_counts: dict[tuple[str, torch.device], torch.Tensor] = {}  # see add_count
-
-    def add_count(self, name: str, value: torch.Tensor) -> None:
-        """Adds a count the device holds to stats[name] without waiting for it (`settle` reads it back); one
-        running sum per device, where the model is split over GPUs."""
-        key = (name, value.device)
-        held = self.device_counts.get(key)
-        self.device_counts[key] = value if held is None else held + value
-
-    def settle(self) -> dict:
-        """stats with every pending device count folded in (one wait for the device)."""
-        for (name, _), value in self.device_counts.items():
-            self.stats[name] += int(value)
-        self.device_counts.clear()
-        return self.stats
 
     def begin_chunk(self, offset: int, n: int) -> None:
         super().begin_chunk(offset, n)

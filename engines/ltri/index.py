@@ -200,14 +200,13 @@ class Indexer:
         return query[0][:, picked].transpose(0, 1), chosen[picked]
 
     def retrieve(self, layer: LtriLayer, layer_idx: int, query, key, scaling, cache: LtriCache) -> None:
-        """Fills the retrieval slots with the layer's top_k blocks for this chunk (all blocks when they fit). The
-        blocks are chosen and loaded on the device: the host never waits to learn which."""
+        """Fills the retrieval slots with the layer's top_k blocks for this chunk (all blocks when they fit)."""
         n_blocks = layer.memory.n_blocks
         if n_blocks == 0:
             return
         k = min(self.cfg.top_k, n_blocks)
         if n_blocks <= k:
-            wanted = torch.arange(n_blocks, device=layer.device)
+            wanted = list(range(n_blocks))
         else:
             qvec, chosen = self._query_vectors(layer, layer_idx, query, key, scaling, cache)
             hkv = key.shape[1]
@@ -215,36 +214,32 @@ class Indexer:
             qw = (qvec.float() * w[None, :, None]).view(qvec.shape[0], hkv, -1, qvec.shape[-1]).sum(dim=2)
             scores, where = layer.index.block_scores(qw, n_blocks, chosen)
             scores = self._vote(layer_idx, scores, cache)
-            wanted, successors = self._with_successors(scores, where, k, layer.block)
-            cache.add_count("successors", successors)
-        cache.add_count("host_to_device_bytes", layer.load_blocks(wanted))
+            wanted = self._with_successors(scores, where, k, layer.block, cache)
+        cache.stats["host_to_device_bytes"] += layer.load_blocks(wanted)
         cache.stats["blocks_retrieved"] += k
         cache.stats["retrievals"] += 1
 
-    def _with_successors(self, scores: torch.Tensor, where: torch.Tensor, k: int,
-                         block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k blocks to load: the top k by score, best first, where a block whose best-matching index vector
-        lies in its last `successor_tail` tokens brings the next block along, right after it: what the question
-        matches there (a needle's key) may continue past the block boundary (its value), which no query of the
-        question resembles. -> (sorted block ids [k], how many are such successors []), on scores' device,
-        without waiting for it."""
+    def _with_successors(self, scores: torch.Tensor, where: torch.Tensor, k: int, block: int,
+                         cache: LtriCache) -> list[int]:
+        """The k blocks to load, best first; a block whose best-matching index vector lies in its last
+        `successor_tail` tokens brings the next block along, right after it: what the question matches there
+        (a needle's key) may continue past the block boundary (its value), which no query of the question
+        resembles. Sorted block ids."""
         top = scores.topk(k).indices
-        none = torch.zeros((), dtype=torch.long, device=top.device)
         tail = self.cfg.successor_tail
         if not tail:
-            return top.sort().values, none
-        nxt = top + 1
-        # Candidates in the order the rule takes them (each top block, then its successor where it brings one);
-        # the first k distinct ones are loaded.
-        seq = torch.stack([top, torch.where((where[top] >= block - tail) & (nxt < scores.numel()), nxt, -1)],
-                          dim=1).flatten()
-        j = torch.arange(seq.numel(), device=seq.device)
-        new = (seq >= 0) & ~((seq[:, None] == seq[None, :]) & (j[None, :] < j[:, None])).any(dim=1)
-        rank = new.cumsum(0) - 1
-        take = new & (rank < k)  # exactly k: the top k blocks are distinct
-        out = torch.empty(k + 1, dtype=torch.long, device=seq.device)
-        out.scatter_(0, torch.where(take, rank, k), seq)  # slot k collects the rest, unread
-        return out[:k].sort().values, (take & (j % 2 == 1)).sum()
+            return sorted(top.tolist())
+        top, where = torch.stack([top, where[top]]).tolist()  # one device -> host copy
+        wanted: list[int] = []
+        for b, w in zip(top, where):
+            if len(wanted) >= k:
+                break
+            if b not in wanted:
+                wanted.append(b)
+            if w >= block - tail and b + 1 < scores.numel() and b + 1 not in wanted and len(wanted) < k:
+                wanted.append(b + 1)
+                cache.stats["successors"] += 1
+        return sorted(wanted)
 
     def _vote(self, layer_idx: int, scores: torch.Tensor, cache: LtriCache) -> torch.Tensor:
         """Collaborative voting (3.5): this layer's normalised scores plus those of earlier retrieval-head
@@ -266,7 +261,7 @@ class Indexer:
     def counters(self, cache: LtriCache) -> dict:
         ids = [i for i, layer in enumerate(cache.layers) if layer.retrieve and layer.is_initialized]
         full = [cache.layers[i] for i in ids]
-        stats = cache.settle()
+        stats = cache.stats
         if not full:
             return {}
         vectors = sum(layer.index.n for layer in full)

@@ -145,16 +145,17 @@ class ContextMemory:
         heads, block, dim = self.keys.shape
         return 2 * heads * block * dim * self.keys.data.element_size() + (2 * heads * 4 if self.fp8 else 0)
 
-    def gather(self, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> None:
-        """Block ids[s] into slot s of keys/values [Hkv, S * block, D] (device rows), for every ids[s] >= 0;
-        ids [S] on the rows' device. One kernel reads the pinned slabs without the ids leaving the device; blocks
-        adopted from a saved state (pageable host memory) load one by one after the ids come to the host."""
+    def gather(self, keys: torch.Tensor, values: torch.Tensor, load: list[int]) -> None:
+        """Block load[s] into slot s of keys/values [Hkv, S * block, D] (device rows), for every load[s] >= 0.
+        One kernel reads the pinned slabs; blocks adopted from a saved state (pageable host memory) load one by
+        one."""
         if self.base:
             block = self.keys.shape[1]
-            for s, b in enumerate(ids.tolist()):
+            for s, b in enumerate(load):
                 if b >= 0:
                     self.load(b, keys[:, s * block:(s + 1) * block], values[:, s * block:(s + 1) * block])
             return
+        ids = torch.tensor(load, dtype=torch.long).to(keys.device, non_blocking=True)
         gather_blocks(keys, values, self.keys.used, self.values.used, ids, self.scales.used if self.fp8 else None)
 
     def nbytes(self) -> int:

@@ -46,13 +46,12 @@ def _set_scalars(layer: LtriLayer, values: dict) -> None:
 
 def _cache_scalars(cache: LtriCache) -> dict:
     return {"filled": cache.filled, "lams": dict(cache.lams), "lam_samples": copy.deepcopy(cache.lam_samples),
-            "stats": dict(cache.settle()),
+            "stats": dict(cache.stats),
             "positions": position_scalars(cache)}
 
 
 def _set_cache_scalars(cache: LtriCache, values: dict) -> None:
     cache.filled, cache.stats = values["filled"], dict(values["stats"])
-    cache.device_counts.clear()  # counts of what ran after the checkpoint
     set_position_scalars(cache, values["positions"])
     cache.lams = {int(k): v for k, v in values["lams"].items()}
     cache.lam_samples = {int(k): [tuple(x) for x in v] for k, v in values["lam_samples"].items()}
