@@ -34,8 +34,8 @@ from kernels.chunk_attention.flex import chunk_attention_flex  # noqa: E402
 from kernels.chunk_attention.reference import chunk_attention as chunk_reference  # noqa: E402
 from kernels.decode_attention.triton import decode_attention_triton, num_splits_for  # noqa: E402
 from kernels.farthest_point import farthest_point_reference  # noqa: E402
-from kernels.gather_blocks.triton import gather_blocks_triton  # noqa: E402
 from kernels.farthest_point.triton import farthest_point_triton  # noqa: E402
+from kernels.gather_blocks.triton import gather_blocks_triton  # noqa: E402
 from kernels.span_candidates import span_candidates_reference  # noqa: E402
 from kernels.span_candidates.triton import span_candidates_triton  # noqa: E402
 from kernels.span_rows import span_rows_reference  # noqa: E402

@@ -127,22 +127,21 @@ def _layer(positions, fp8=False):
 
 def _load_blocks_loop(layer, wanted):
     """load_blocks and order_slots one slot at a time: the definition the batched writes follow."""
-    keep, slots = set(wanted), layer.slots
-    free = [s for s, b in enumerate(slots) if b not in keep]
-    missing = [b for b in wanted if b not in slots]
+    keep = set(wanted)
+    free = [s for s, b in enumerate(layer.slots) if b not in keep]
+    missing = [b for b in wanted if b not in layer.slots]
     for s, b in zip(free, missing):
         rows = slice(layer.n_init + s * layer.block, layer.n_init + (s + 1) * layer.block)
         layer.memory.load(b, layer.keys[0, :, rows], layer.values[0, :, rows])
         start = layer.n_init + b * layer.block
         layer.key_pos[rows] = torch.arange(start, start + layer.block)
-        slots[s] = b
+        layer.slots[s] = b
     for s in free[len(missing):]:
         layer.key_pos[layer.n_init + s * layer.block:layer.n_init + (s + 1) * layer.block] = -1
-        slots[s] = -1
-    layer.slots = slots
-    rank = {b: k for k, b in enumerate(sorted(b for b in slots if b >= 0))}
+        layer.slots[s] = -1
+    rank = {b: k for k, b in enumerate(sorted(b for b in layer.slots if b >= 0))}
     at = torch.arange(layer.local0)
-    for s, b in enumerate(slots):
+    for s, b in enumerate(layer.slots):
         if b >= 0:
             lo = layer.n_init + s * layer.block
             at[lo:lo + layer.block] = layer.n_init + rank[b] * layer.block + torch.arange(layer.block)

@@ -1,7 +1,7 @@
 """Where evicted tokens live: CPU context memory (K/V in blocks) and the device-side index memory.
 
-Context memory is host RAM, pinned when the model is on a GPU so a kernel reads retrieved blocks from it directly; one
-slab per layer, sized for the document (doubling if it ever runs out). The index memory holds the span index
+Context memory is host RAM, pinned when the model is on a GPU so a kernel reads retrieved blocks from it
+directly; one slab per layer, sized for the document (doubling if it ever runs out). The index memory holds the span index
 vectors (keys of the chosen tokens, every KV head) and the block each belongs to; it stays on the compute
 device, as in the paper, and is the only device-side state that grows with the document (a few percent of
 its keys).
@@ -31,7 +31,8 @@ class _Growable:
     def reserve(self, extra: int) -> None:
         if self.n + extra > self.data.shape[0]:
             if self.pin:
-                # The host copy below is not stream-ordered: earlier async device -> host copies must land.
+                # The host copy below is not stream-ordered: earlier async device -> host copies must land, and
+                # kernels still reading the old slab (gather_blocks) must finish before it is freed.
                 torch.cuda.synchronize()
             rows = max(2 * self.data.shape[0], self.n + extra)
             bigger = self._alloc(rows if self.limit is None else max(min(rows, self.limit), self.n + extra))
@@ -125,7 +126,7 @@ class ContextMemory:
             self.scales.append(scale)
         self.keys.append(k)
         self.values.append(v)
-        return k.numel() * k.element_size() * 2 + (k.shape[0] * 2 * heads * 4 if self.fp8 else 0)
+        return k.shape[0] * self.block_bytes
 
     def load(self, block_id: int, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Copies block `block_id` into keys/values [Hkv, block, D] (device rows); returns the bytes moved."""
@@ -133,11 +134,11 @@ class ContextMemory:
         if not self.fp8:
             keys.copy_(k, non_blocking=True)
             values.copy_(v, non_blocking=True)
-            return 2 * k.nbytes
+            return self.block_bytes
         scale = self._block(2, block_id).to(keys.device, non_blocking=True)  # [2, Hkv]
         for dst, src, s in ((keys, k, scale[0]), (values, v, scale[1])):
             dst.copy_(src.to(keys.device, non_blocking=True).float() * s[:, None, None])
-        return 2 * k.nbytes + self._block(2, block_id).nbytes
+        return self.block_bytes
 
     @property
     def block_bytes(self) -> int:
