@@ -134,6 +134,8 @@ def _needle_ranks(indexer, layer, layer_idx, query, key, scaling, cache, wanted)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a named model (longctx models) or a model folder; default: the embedded one")
+    parser.add_argument("--profile", default="ltri-stream", help="the ltri-stream profile the --set overrides start from")
     parser.add_argument("--task", default="niah_single_3")
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=5)
@@ -162,12 +164,12 @@ def main() -> None:
 
     overrides = {"chunk_size": args.chunk_size}
     overrides.update(parse_override(item) for item in args.set)  # YAML values, as `longctx --set`: [5, 11]
-    lm = load_model(None, device="auto", dtype="auto")
+    lm = load_model(args.model, device="auto", dtype="auto")
     n_layers = lm.config.num_hidden_layers
     if isinstance(args.exact_layers, tuple) and args.exact_layers[-1] >= n_layers:
         parser.error(f"argument --exact-layers: layer {args.exact_layers[-1]} out of range; the model has "
                      f"{n_layers} layers (0 to {n_layers - 1})")
-    prof = resolve_profile("ltri-stream", overrides)
+    prof = resolve_profile(args.profile, overrides)
     cfg = prof.engine_config
     engine = ENGINES["ltri-stream"](lm, cfg, prof.run, home=longctx_home())
     dense = None

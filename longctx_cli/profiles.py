@@ -162,8 +162,19 @@ class Verbatim:
     problem: str | None = None  # the YAML error, when it did not parse
 
 
+class _Null:
+    """`--set key=null`: the key set to null. None among overrides means a flag not given, which changes nothing."""
+
+    def __repr__(self) -> str:
+        return "null"
+
+
+NULL = _Null()
+
+
 def parse_override(text: str) -> tuple[str, object]:
-    """`--set key=value` -> (key, value); the value is YAML (1024 -> int, true -> bool, [a, b] -> list)."""
+    """`--set key=value` -> (key, value); the value is YAML (1024 -> int, true -> bool, [a, b] -> list, null ->
+    NULL)."""
     key, sep, raw = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not key or not raw.strip():
@@ -177,7 +188,7 @@ def parse_override(text: str) -> tuple[str, object]:
         value = float(value)
     if isinstance(value, dict) or raw.lstrip().startswith("!"):
         return key, Verbatim(raw.strip(), value)
-    return key, value
+    return key, NULL if value is None else value
 
 
 def _choose(key: str, value, hint):
@@ -200,10 +211,11 @@ def read_profile(name_or_path: str) -> tuple[str, str, dict]:
 
 
 def resolve_profile(name_or_path: str, overrides: dict[str, object] | None = None, registry=None) -> Profile:
-    """Load a builtin profile (by name) or a .yaml file, apply `overrides` (None values ignored), validate."""
+    """Load a builtin profile (by name) or a .yaml file, apply `overrides` (None values ignored, NULL sets null),
+    validate."""
     name, source, settings = read_profile(name_or_path)
     where = f"profile {name}" if source == "builtin" else name_or_path
-    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    overrides = {k: None if v is NULL else v for k, v in (overrides or {}).items() if v is not None}
     if registry is None:
         from engines.config import CONFIGS as registry  # the configurations alone: no torch, no transformers
     engines = ", ".join(sorted(registry))

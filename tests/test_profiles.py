@@ -211,6 +211,15 @@ def test_override_that_is_not_yaml_is_refused_for_non_string_keys():
         resolve_profile("dense", {key: value})
 
 
+def test_set_null_clears_a_profile_key():
+    """`--set compensate_layers=null` sets the key to null (every retrieving layer), where a flag not given (None)
+    leaves the profile's value alone."""
+    key, value = parse_override("compensate_layers=null")
+    assert resolve_profile("ltri-stream-4k", {}).engine_config.compensate_layers == "first"
+    assert resolve_profile("ltri-stream-4k", {key: value}).engine_config.compensate_layers is None
+    assert resolve_profile("ltri-stream-4k", {key: None}).engine_config.compensate_layers == "first"
+
+
 def test_profile_is_a_plain_dataclass():
     p = Profile("n", "builtin", "", "window", RunSettings(), WindowConfig())
     assert p.as_dict()["window"] == 512 and p.as_dict()["chunk_size"] == 2048
