@@ -430,6 +430,49 @@ def test_compensation_applies_only_to_the_listed_layers(lm, story_text, monkeypa
     assert (diffs[5, True] > 1e-4) if question else diffs[5, True] == 0.0
 
 
+def test_compensated_attention_is_softmax_over_rows_and_left_out_blocks(lm, story_text, monkeypatch):
+    """compensate: exact: a chunk's output equals one softmax over the rows it may see and every stored block
+    its slots do not hold (loaded one by one here), while votes and the own map stay the rows' alone."""
+    import torch.nn.functional as F
+
+    import engines.ltri.attention as ltri_attention
+
+    plain = ltri_attention.softmax_attention
+    errors: list[float] = []
+
+    def checked(layer, query, key, value, scaling, offset, n_own, exact=False):
+        votes = layer.votes.clone()
+        _, own_rows = plain(layer, query, key, value, scaling, offset, n_own, False)
+        rows_votes = layer.votes - votes
+        layer.votes.copy_(votes)
+        out, own = plain(layer, query, key, value, scaling, offset, n_own, exact)
+        if exact and layer.memory.n_blocks:
+            assert torch.equal(own, own_rows) and torch.equal(layer.votes - votes, rows_votes)
+            width, block, T = layer.width, layer.block, query.shape[2]
+            held = {b for b in layer.slots if b >= 0}
+            left = [b for b in range(layer.memory.n_blocks) if b not in held]
+            k_st = torch.empty(key.shape[1], len(left) * block, key.shape[3], dtype=key.dtype)
+            v_st = torch.empty_like(k_st)
+            for j, b in enumerate(left):
+                layer.memory.load(b, k_st[:, j * block:(j + 1) * block], v_st[:, j * block:(j + 1) * block])
+            kp = layer.key_pos[:width]
+            seen = (kp >= 0) & (kp <= torch.arange(offset, offset + T)[:, None])
+            mask = torch.cat([torch.ones(T, k_st.shape[1], dtype=torch.bool), seen], dim=1)
+            keys = torch.cat([k_st[None], key[:, :, :width]], dim=2).nan_to_num(0.0)
+            values = torch.cat([v_st[None], value[:, :, :width]], dim=2).nan_to_num(0.0)
+            want = F.scaled_dot_product_attention(query.double(), keys.double(), values.double(), attn_mask=mask,
+                                                  scale=scaling, enable_gqa=True)
+            errors.append(float((out.double() - want).abs().max()))
+        return out, own
+
+    monkeypatch.setattr(ltri_attention, "softmax_attention", checked)
+    doc, ask = story_ids(lm, story_text, 1500)
+    engine = make_engine(lm, "ltri-stream", **SMALL, compensate="exact", compensate_layers=[5],
+                         compensate_question=True)
+    greedy_answer(engine, doc, ask, 2)
+    assert len(errors) >= 10 and max(errors) < 1e-4, errors
+
+
 def test_compensate_layers_first_is_the_first_retrieving_layer(lm):
     """compensate_layers: first resolves to the model's first retrieving layer (5 in the embedded model); an
     unresolved config refuses to answer per layer."""

@@ -92,6 +92,25 @@ def test_reference_matches_dense(B, Hq, Hkv, T, W, D, n_own, layout):
     assert (votes[key_pos < 0] == 0).all()
 
 
+def dense_lse(q, k, key_pos, offset, scale):
+    """Each query's log-sum-exp [B, Hq, T] (fp64) of its visible scaled scores; -inf where it sees nothing."""
+    T = q.shape[2]
+    seen = (key_pos >= 0) & (key_pos <= offset + torch.arange(T, device=q.device)[:, None])
+    k = k.double().nan_to_num(0.0).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = (q.double() @ k.transpose(-1, -2) * scale).masked_fill(~seen, float("-inf"))
+    return torch.logsumexp(s, dim=-1)
+
+
+def test_reference_lse_matches_dense():
+    q = make_queries(1, 4, 20, 16)
+    k, v, key_pos = blind_rows(1, 2, 20, 30, 16, blind=5)
+    out, votes, own, lse = vote_attention_reference(q, k, v, key_pos, OFFSET, scale=0.25, n_own=20, return_lse=True)
+    want = dense_lse(q, k, key_pos, OFFSET, 0.25)
+    assert lse.shape == (1, 4, 20) and lse.dtype == torch.float32 and (lse[:, :, :5] == float("-inf")).all()
+    torch.testing.assert_close(lse[:, :, 5:].double(), want[:, :, 5:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out, vote_attention_reference(q, k, v, key_pos, OFFSET, scale=0.25, n_own=20)[0])
+
+
 def blind_rows(B, Hkv, T, W, D, blind, dtype=torch.float32, device="cpu"):
     """Rows whose positions all follow the chunk's first `blind` queries: those queries see nothing."""
     k, v, _ = make_rows(B, Hkv, T, W, D, empty=0.0, dtype=dtype, device=device)
@@ -193,6 +212,23 @@ def test_triton_query_that_sees_nothing_gives_zero():
     out, votes, own = got = vote_attention_triton(q, k, v, key_pos, OFFSET, scale=0.125, n_own=20)
     assert (out[:, :, :5] == 0).all() and (own[:5] == 0).all()
     _check(q, k, v, key_pos, 20, got)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", ["low", "fp32"])
+def test_triton_lse_matches_reference(dtype):
+    """lse (natural log) for merging with attention over other keys; -inf for a query that sees nothing."""
+    from kernels.vote_attention.triton import vote_attention_triton
+
+    dtype = _lowp_dtype() if dtype == "low" else torch.float32
+    q = make_queries(1, 14, 40, 64, dtype=dtype, device=DEVICE)
+    k, v, key_pos = blind_rows(1, 2, 40, 150, 64, blind=5, dtype=dtype, device=DEVICE)
+    *got, lse = vote_attention_triton(q, k, v, key_pos, OFFSET, scale=0.125, n_own=30, return_lse=True)
+    _check(q, k, v, key_pos, 30, tuple(got))
+    want = dense_lse(q, k, key_pos, OFFSET, 0.125)
+    assert lse.shape == (1, 14, 40) and (lse[:, :, :5] == float("-inf")).all()
+    torch.testing.assert_close(lse[:, :, 5:].double(), want[:, :, 5:], atol=2e-3 if dtype != torch.float32 else 1e-4,
+                               rtol=1e-3)
 
 
 @pytest.mark.parametrize("change,message", [

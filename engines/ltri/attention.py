@@ -1,7 +1,7 @@
 """`ltri-stream`'s attention over a layer's bounded rows [init | retrieved | window | chunk] (engines/ltri/cache.py):
 prefill chunks in retrieving layers through kernels/vote_attention (its probabilities give the window's votes and
-the chunk's own map for span division; `compensate: exact` keeps an explicit softmax that also attends the stored
-blocks the rows leave out), the model's own sliding-window layers over their window, and decode steps over all
+the chunk's own map for span division; `compensate: exact` merges in attention over the stored blocks the rows
+leave out, by log-sum-exp), the model's own sliding-window layers over their window, and decode steps over all
 rows with a validity mask."""
 
 from __future__ import annotations
@@ -9,30 +9,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.explicit import score_slices
 from engines.ltri.cache import LtriCache, LtriLayer
 from kernels.decode_attention import decode_attention
+from kernels.lse_combine import merge_partials
 from kernels.vote_attention import vote_attention
 
 
-def _softmax_state(s, v):
-    """Online softmax over scores s [..., t, W] and values v [..., W, D]: (running max, mass, weighted values)."""
-    top = s.amax(-1, keepdim=True)
-    e = torch.exp(s - top)
-    return top, e.sum(-1, keepdim=True), torch.matmul(e, v)
-
-
-def _softmax_add(state, s, v):
-    """The state of _softmax_state with further keys (scores s [..., t, Wi], values v [..., Wi, D]) merged in."""
-    top, mass, acc = state
-    new = torch.maximum(top, s.amax(-1, keepdim=True))
-    old, e = torch.exp(top - new), torch.exp(s - new)
-    return new, mass * old + e.sum(-1, keepdim=True), acc * old + torch.matmul(e, v)
-
-
 def _stored_batches(layer: LtriLayer, device):
-    """compensate: exact: K and V [1, Hkv, 1, n * block, D] (fp32) of the stored blocks the rows do not hold, n
-    at most the layer's slot count per batch. The bytes loaded count in the cache's host_to_device_bytes."""
+    """compensate: exact: K and V [1, Hkv, n * block, D] of the stored blocks the rows do not hold, n at most the
+    layer's slot count per batch, each batch loaded by one gather. The bytes count in host_to_device_bytes."""
     held = {b for b in layer.slots if b >= 0}
     ids = [b for b in range(layer.memory.n_blocks) if b not in held]
     per, block = max(1, layer.n_retrieved // layer.block), layer.block
@@ -41,10 +26,9 @@ def _stored_batches(layer: LtriLayer, device):
         batch = ids[lo:lo + per]
         k = torch.empty(hkv, len(batch) * block, dim, dtype=layer.dtype, device=device)
         v = torch.empty_like(k)
-        for j, b in enumerate(batch):
-            layer.owner.stats["host_to_device_bytes"] += layer.memory.load(b, k[:, j * block:(j + 1) * block],
-                                                                           v[:, j * block:(j + 1) * block])
-        yield k.float()[None, :, None], v.float()[None, :, None]
+        layer.memory.gather(k, v, batch)
+        layer.owner.stats["host_to_device_bytes"] += len(batch) * layer.memory.block_bytes
+        yield k[None], v[None]
 
 
 def softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_own: int, exact: bool = False):
@@ -54,45 +38,20 @@ def softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_ow
     and maps stay those of the rows."""
     width = layer.width
     kp = layer.key_pos[:width]
+    got = vote_attention(query, key[:, :, :width], value[:, :, :width], kp, offset, scale=scaling, n_own=n_own,
+                         return_lse=exact)
+    layer.votes[:width] += got[1]
     if not exact:
-        out, votes, own = vote_attention(query, key[:, :, :width], value[:, :, :width], kp, offset, scale=scaling,
-                                         n_own=n_own)
-        layer.votes[:width] += votes
-        return out, own
-    return _compensated_attention(layer, query, key, value, scaling, offset, n_own)
-
-
-def _compensated_attention(layer: LtriLayer, query, key, value, scaling, offset, n_own: int):
-    """compensate: exact: explicit softmax over the rows, then every stored block merged into each query
-    slice's online-softmax state; votes and the own map from the rows' probabilities alone."""
-    B, Hq, T, D = query.shape
-    width = layer.width
-    kp = layer.key_pos[:width]
-    v = value[:, :, :width].float()
-    own0 = width - n_own
-    out = torch.empty_like(query)
-    own = torch.zeros(n_own, n_own, dtype=torch.float32, device=query.device)
-    slices = []  # per query slice (lo, t, q, online-softmax state over the rows)
-
-    # Built once for the chunk's queries [T, width] and sliced, rather than once per query slice.
-    seen = (kp >= 0) & (kp <= torch.arange(offset, offset + T, device=query.device)[:, None])
-    for lo, t, q, s in score_slices(query, key[:, :, :width], scaling, lambda lo, t: seen[lo:lo + t]):
-        p = torch.softmax(s, dim=-1)
-        # Finished below, once every stored block has been merged in.
-        slices.append((lo, t, q, _softmax_state(s, v[:, :, None])))
-        heads = p.sum(dim=(0, 1, 2))  # [t, width]
-        layer.votes[:width] += heads.sum(dim=0)
-        first = max(lo, T - n_own)
-        if first < lo + t:
-            own[first - (T - n_own):lo + t - (T - n_own)] = heads[first - lo:, own0:]
-    # Each stored block is loaded once for all the query slices.
-    states = [state for *_, state in slices]
+        return got[0], got[2]
+    # Every stored block precedes the chunk, so each query sees all of a batch: attention over it (its votes
+    # unused) merged with the rows' by log-sum-exp.
+    outs, lses = [got[0]], [got[3]]
     for k_b, v_b in _stored_batches(layer, query.device):
-        states = [_softmax_add(state, torch.matmul(q, k_b.transpose(-1, -2)) * scaling, v_b)
-                  for state, (_, _, q, _) in zip(states, slices)]
-    for (lo, t, _, _), (_, mass, acc) in zip(slices, states):
-        out[:, :, lo:lo + t] = (acc / mass).view(B, Hq, t, D).to(query.dtype)
-    return out, own
+        seen = torch.zeros(k_b.shape[2], dtype=torch.long, device=query.device)
+        o_b, _, _, lse_b = vote_attention(query, k_b, v_b, seen, offset, scale=scaling, n_own=1, return_lse=True)
+        outs.append(o_b)
+        lses.append(lse_b)
+    return merge_partials(outs, lses)[0], got[2]
 
 
 def window_attention(layer: LtriLayer, query, key, value, scaling, offset):

@@ -226,9 +226,16 @@ class LtriEngine(Engine):
         return per_token_layer * sum(LtriLayer.rows_for(**spec) for spec in specs)
 
     def backends(self) -> dict[str, str]:
+        cfg = self.config
+        exact = ""
+        if cfg.compensate == "exact":
+            layers = cfg.compensate_layers
+            which = ("every retrieving layer" if layers is None else f"the {layers} retrieving layer"
+                     if isinstance(layers, str) else f"layers {layers}")
+            exact = (f"; compensate: exact in {which}, stored blocks merged by log-sum-exp"
+                     + (", the question's chunk too" if cfg.compensate_question else ""))
         return {"prefill_attention": f"{vote_attention_backend(self.device)} over init + retrieved + window "
-                                     "(votes, span maps; compensate: exact, explicit softmax); "
-                                     "sliding layers: sdpa over their window",
+                                     f"(votes, span maps{exact}); sliding layers: sdpa over their window",
                 "decode_attention": f"{decode_backend(self.device)} over the bounded rows (validity mask)"}
 
     def counters(self, state: DocumentState) -> dict:

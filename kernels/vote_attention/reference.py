@@ -20,7 +20,8 @@ def vote_attention_reference(
     *,
     scale: float,
     n_own: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Attention of T queries over W rows whose positions are in any order, with the probabilities' sums.
 
     q: [B, Hq, T, D]; k, v: [B, Hkv, W, D] (Hq % Hkv == 0; query head h reads KV head h // (Hq // Hkv));
@@ -29,7 +30,8 @@ def vote_attention_reference(
     Returns out [B, Hq, T, D] in q's dtype; votes [W] fp32, the probabilities summed over batch, heads and
     queries; own [n_own, n_own] fp32, own[a, c] = the probabilities of query T - n_own + a on row
     W - n_own + c summed over batch and heads (1 <= n_own <= min(T, W)). A query that sees no row gets out 0
-    and adds nothing.
+    and adds nothing. return_lse: also lse [B, Hq, T] fp32, each query's log-sum-exp of its scaled scores
+    (natural log; -inf for a query that sees no row), for merging with attention over other keys.
     """
     B, Hq, T, D = q.shape
     Hkv, W = k.shape[1], k.shape[2]
@@ -41,6 +43,7 @@ def vote_attention_reference(
     out = torch.empty_like(q)
     votes = torch.zeros(W, dtype=torch.float32, device=q.device)
     own = torch.zeros(n_own, n_own, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     # Built once for the chunk's queries [T, W] and sliced, rather than once per query slice.
     seen = filled & (key_pos <= torch.arange(offset, offset + T, device=q.device)[:, None])
     for lo in range(0, T, QUERY_SLICE):
@@ -48,6 +51,7 @@ def vote_attention_reference(
         qs = q[:, :, lo:lo + t].float().view(B, Hkv, Hq // Hkv, t, D)
         # In place: one [.., t, W] temporary per slice.
         s = torch.matmul(qs, k_t).mul_(scale).masked_fill_(~seen[lo:lo + t], float("-inf"))
+        lse[:, :, lo:lo + t] = torch.logsumexp(s, dim=-1).view(B, Hq, t)
         p = torch.softmax(s, dim=-1)
         blind = ~seen[lo:lo + t].any(-1)  # [t]: queries with no visible row, whose softmax is NaN
         if blind.any():
@@ -58,4 +62,4 @@ def vote_attention_reference(
         first = max(lo, T - n_own)
         if first < lo + t:
             own[first - (T - n_own):lo + t - (T - n_own)] = heads[first - lo:, own0:]
-    return out, votes, own
+    return (out, votes, own, lse) if return_lse else (out, votes, own)

@@ -17,6 +17,7 @@ import triton.language as tl
 from kernels._triton_common import check_device, launch_context
 
 _LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 # head_dim: (BLOCK_M queries, BLOCK_N keys, warps, stages) of the forward pass. Its grid is query tiles x B*Hq,
 # one wave on an H100 for a 512-query chunk of Llama-8B at 128 queries a tile; models with fewer heads (Qwen2.5:
 # 14) take 64. At 256 a 64 x 256 fp32 accumulator is 128 registers a thread over 4 warps: 8 warps, 32-key tiles.
@@ -171,7 +172,8 @@ def vote_attention_triton(
     *,
     scale: float,
     n_own: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Same contract as reference.vote_attention_reference; CUDA tensors (or any under the interpreter).
 
     q: [B, Hq, T, D]; k, v: [B, Hkv, W, D], any strides with a contiguous last dimension (views of a larger
@@ -206,4 +208,7 @@ def vote_attention_triton(
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
             num_warps=warps, num_stages=stages,
         )
-    return out, votes_part.sum(0), own_part.sum(0)
+    if not return_lse:
+        return out, votes_part.sum(0), own_part.sum(0)
+    # The kernel keeps lse in log2 units of the log2(e)-scaled scores; the contract's is the natural log.
+    return out, votes_part.sum(0), own_part.sum(0), lse.view(B, Hq, T) * _LN2
