@@ -400,6 +400,18 @@ def test_context_memory_larger_than_the_host_is_refused(context_memory, advice, 
     assert (got == pytest.approx(128.0, rel=1e-3)) if context_memory == "model" else (64.0 < got < 64.1)
 
 
+def _answer_with_layer5_compensated(lm, story_text, monkeypatch, attention, question: bool) -> None:
+    """Two answer tokens on the story with compensate: exact in layer 5, every retrieving layer's prefill
+    attention going through `attention` (same signature as softmax_attention)."""
+    import engines.ltri.attention as ltri_attention
+
+    monkeypatch.setattr(ltri_attention, "softmax_attention", attention)
+    doc, ask = story_ids(lm, story_text, 1500)
+    engine = make_engine(lm, "ltri-stream", **SMALL, compensate="exact", compensate_layers=[5],
+                         compensate_question=question)
+    greedy_answer(engine, doc, ask, 2)
+
+
 @pytest.mark.parametrize("question", [False, True], ids=["question-exempt", "question-compensated"])
 def test_compensation_applies_only_to_the_listed_layers(lm, story_text, monkeypatch, question):
     """compensate_layers=[5]: every attention of layers 11 and 17 equals the uncompensated one on the same
@@ -419,11 +431,7 @@ def test_compensation_applies_only_to_the_listed_layers(lm, story_text, monkeypa
         diffs[at] = max(diffs.get(at, 0.0), float((out - want).abs().max()))
         return out, own
 
-    monkeypatch.setattr(ltri_attention, "softmax_attention", checked)
-    doc, ask = story_ids(lm, story_text, 1500)
-    engine = make_engine(lm, "ltri-stream", **SMALL, compensate="exact", compensate_layers=[5],
-                         compensate_question=question)
-    greedy_answer(engine, doc, ask, 2)
+    _answer_with_layer5_compensated(lm, story_text, monkeypatch, checked, question)
     assert {i for i, _ in diffs} == {5, 11, 17}  # the embedded model's retrieving layers
     assert diffs[11, False] == diffs[17, False] == diffs[11, True] == diffs[17, True] == 0.0
     assert diffs[5, False] > 1e-4
@@ -465,11 +473,7 @@ def test_compensated_attention_is_softmax_over_rows_and_left_out_blocks(lm, stor
             errors.append(float((out.double() - want).abs().max()))
         return out, own
 
-    monkeypatch.setattr(ltri_attention, "softmax_attention", checked)
-    doc, ask = story_ids(lm, story_text, 1500)
-    engine = make_engine(lm, "ltri-stream", **SMALL, compensate="exact", compensate_layers=[5],
-                         compensate_question=True)
-    greedy_answer(engine, doc, ask, 2)
+    _answer_with_layer5_compensated(lm, story_text, monkeypatch, checked, True)
     assert len(errors) >= 10 and max(errors) < 1e-4, errors
 
 
