@@ -19,24 +19,28 @@ import datetime
 import json
 from pathlib import Path
 
-# random:llama-3.1-8b (the speed runs' model): layers, KV heads, head_dim, bf16
-LAYERS, HKV, HEAD_DIM, ELEM = 32, 8, 128, 2
+# The speed runs' random models (bench_resa_kernels.py's shapes): layers, KV heads, head_dim; bf16
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen3-1.7b": (28, 8, 128)}
+ELEM, BLOCK = 2, 16
 
 
-def kernel_rows(paths: list[Path]) -> dict:
-    """(pooling, centroid, context) -> the kernel bench's llama-3.1-8b row (ms per layer)."""
+def kernel_rows(paths: list[Path], shape: str) -> dict:
+    """(pooling, centroid, context) -> the kernel bench's row of this shape (ms per layer)."""
     rows = {}
     for path in paths:
         data = json.loads(path.read_text())
         for row in data["rows"]:
-            if row["shape"] == "llama-3.1-8b":
+            if row["shape"] == shape:
                 rows[(data["pooling"], data["centroid"], row["length"])] = row
     return rows
 
 
 def bound(dense: dict, resa: dict, kernels: dict, centroid: bool, bandwidth: float, keep: float,
-          rectify_every: int) -> dict:
+          rectify_every: int, shape: str = "llama-3.1-8b", min_blocks: int = 16) -> dict:
+    LAYERS, HKV, HEAD_DIM = SHAPES[shape]
     ctx = dense["context_tokens"]
+    # The kept share: keep_ratio, but at least min_blocks blocks (the shipped profile keeps 1,024).
+    keep = max(keep, min(1.0, min_blocks * BLOCK / ctx))
     k_bytes = HKV * HEAD_DIM * ctx * ELEM  # one layer's keys
     dense_attention = LAYERS * kernels["ms"]["dense_attention"]
     shared = dense["decode_ms_per_token"] - dense_attention
@@ -51,6 +55,7 @@ def bound(dense: dict, resa: dict, kernels: dict, centroid: bool, bandwidth: flo
     best_floor = weights + attention_floor + rectify_floor
     return {
         "context_tokens": ctx,
+        "kept_share": keep,
         "dense_ms": dense["decode_ms_per_token"],
         "dense_attention_ms": dense_attention,
         "shared_ms_dense": shared,
@@ -78,23 +83,30 @@ def main() -> None:
     parser.add_argument("--speed", type=Path, required=True, help="longctx bench --json of resa vs dense")
     parser.add_argument("--kernels", type=Path, action="append", required=True, help="bench_resa_kernels.py --out")
     parser.add_argument("--keep", type=float, default=0.1)
+    parser.add_argument("--min-blocks", type=int, default=16,
+                        help="blocks kept at least (the paper's 16; the shipped profile's 1024)")
     parser.add_argument("--rectify-every", type=int, default=32)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     speed = json.loads(args.speed.read_text())
     bandwidth = speed["hbm_bytes_per_s"]
-    kernels = kernel_rows(args.kernels)
+    shape = speed["model"].removeprefix("random:")
+    if shape not in SHAPES:
+        raise SystemExit(f"no shape for {speed['model']}; known: {', '.join(SHAPES)}")
+    kernels = kernel_rows(args.kernels, shape)
     rows = []
     for ctx in sorted({r["context_tokens"] for r in speed["rows"]}):
         dense = next(r for r in speed["rows"] if r["engine"] == "dense" and r["context_tokens"] == ctx)
         resa = next(r for r in speed["rows"] if r["engine"] == "resa" and r["context_tokens"] == ctx)
         for (pooling, centroid, length), krow in sorted(kernels.items()):
             if length == ctx:
-                row = bound(dense, resa, krow, centroid, bandwidth, args.keep, args.rectify_every)
+                row = bound(dense, resa, krow, centroid, bandwidth, args.keep, args.rectify_every, shape,
+                            args.min_blocks)
                 rows.append({"pooling": pooling, "centroid": centroid, **row})
     result = {
         "command": "python3 benchmarks/resa_bound.py " + " ".join(
             [f"--speed {args.speed}"] + [f"--kernels {k}" for k in args.kernels]
+            + [f"--keep {args.keep}", f"--min-blocks {args.min_blocks}"]
             + ([f"--out {args.out}"] if args.out else [])),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "inputs": {"speed": {k: speed[k] for k in ("command", "date", "environment")},
