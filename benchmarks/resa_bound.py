@@ -37,19 +37,19 @@ def kernel_rows(paths: list[Path], shape: str) -> dict:
 
 def bound(dense: dict, resa: dict, kernels: dict, centroid: bool, bandwidth: float, keep: float,
           rectify_every: int, shape: str = "llama-3.1-8b", min_blocks: int = 16) -> dict:
-    LAYERS, HKV, HEAD_DIM = SHAPES[shape]
+    layers, hkv, head_dim = SHAPES[shape]
     ctx = dense["context_tokens"]
     # The kept share: keep_ratio, but at least min_blocks blocks (the shipped profile keeps 1,024).
     keep = max(keep, min(1.0, min_blocks * BLOCK / ctx))
-    k_bytes = HKV * HEAD_DIM * ctx * ELEM  # one layer's keys
-    dense_attention = LAYERS * kernels["ms"]["dense_attention"]
+    k_bytes = hkv * head_dim * ctx * ELEM  # one layer's keys
+    dense_attention = layers * kernels["ms"]["dense_attention"]
     shared = dense["decode_ms_per_token"] - dense_attention
-    weights = dense["roofline_ms"] - 1000 * LAYERS * 2 * k_bytes / bandwidth  # the weights' share of the roofline
+    weights = dense["roofline_ms"] - 1000 * layers * 2 * k_bytes / bandwidth  # the weights' share of the roofline
     counters = resa["counters"]
     descriptors = 3 if centroid else 2  # max, min (and mean): 1/16 of K each
     layer_bytes = descriptors * k_bytes / 16 + keep * 2 * k_bytes
-    attention_floor = 1000 * LAYERS * layer_bytes / bandwidth
-    rectify_floor = 1000 * LAYERS * 2 * k_bytes / bandwidth / rectify_every
+    attention_floor = 1000 * layers * layer_bytes / bandwidth
+    rectify_floor = 1000 * layers * 2 * k_bytes / bandwidth / rectify_every
     rect_measured = 1000 * counters["rectification_s"] / counters["rectifications"] / rectify_every
     best = shared + attention_floor + rectify_floor
     best_floor = weights + attention_floor + rectify_floor
@@ -61,8 +61,8 @@ def bound(dense: dict, resa: dict, kernels: dict, centroid: bool, bandwidth: flo
         "shared_ms_dense": shared,
         "resa_ms": resa["decode_ms_per_token"],
         "resa_median_ms": resa["decode_ms_median"],
-        "resa_attention_ms": LAYERS * kernels["ms"]["estimation"] + LAYERS * kernels["ms"]["sparse_attention"],
-        "shared_ms_resa": resa["decode_ms_median"] - LAYERS * (kernels["ms"]["estimation"]
+        "resa_attention_ms": layers * kernels["ms"]["estimation"] + layers * kernels["ms"]["sparse_attention"],
+        "shared_ms_resa": resa["decode_ms_median"] - layers * (kernels["ms"]["estimation"]
                                                                 + kernels["ms"]["sparse_attention"]),
         "rectification_ms_per_token": rect_measured,
         "weights_floor_ms": weights,
