@@ -167,7 +167,7 @@ def test_voting_adds_earlier_retrieval_head_layers():
     from engines.ltri.index import Indexer
 
     indexer = Indexer(LtriConfig(), SimpleNamespace(num_attention_heads=4), {5: (1, 0.9), 11: (2, 0.5)})
-    cache = SimpleNamespace(chunk_votes=[])
+    cache = SimpleNamespace(chunk_votes={}, first_reading=None)
     first = indexer._vote(5, torch.tensor([0.0, 2.0, 4.0]), cache)  # own scores, min-max normalised
     assert first.tolist() == pytest.approx([0.0, 0.45, 0.9]) and len(cache.chunk_votes) == 1
     # A layer without a retrieval head weighs itself 0.1 and adds the earlier layer's vote, but casts none.
@@ -175,6 +175,25 @@ def test_voting_adds_earlier_retrieval_head_layers():
     assert plain.tolist() == pytest.approx([0.1, 0.45, 0.9]) and len(cache.chunk_votes) == 1
     assert indexer.head_weights(11, torch.device("cpu")).tolist() == [0.0, 0.0, 1.0, 0.0]
     assert indexer.head_weights(8, torch.device("cpu")).tolist() == [0.25] * 4
+
+
+def test_second_question_reading_counts_every_retrieval_head_layer_of_the_first():
+    """question_votes: all. While the question is read again, a layer adds the first reading's votes of every
+    retrieval-head layer of the same chunk (later layers included, its own left out), not this reading's."""
+    from types import SimpleNamespace
+
+    from engines.ltri import LtriConfig
+    from engines.ltri.index import Indexer
+
+    indexer = Indexer(LtriConfig(question_votes="all"), SimpleNamespace(num_attention_heads=4),
+                      {5: (1, 0.9), 11: (2, 0.5)})
+    first = [{5: (0.9, torch.tensor([1.0, 0.0, 0.0])), 11: (0.5, torch.tensor([0.0, 0.0, 1.0]))}]
+    cache = SimpleNamespace(chunk_votes={}, first_reading=first, question_chunks=[{}])
+    lower = indexer._vote(5, torch.tensor([0.0, 2.0, 4.0]), cache)
+    assert lower.tolist() == pytest.approx([0.0, 0.45, 0.9 + 0.5])  # its own now, and layer 11's first vote
+    plain = indexer._vote(8, torch.tensor([4.0, 0.0, 2.0]), cache)  # not layer 5's second vote: its first
+    assert plain.tolist() == pytest.approx([0.1 + 0.9, 0.0, 0.05 + 0.5])
+    assert set(cache.chunk_votes) == {5}
 
 
 def test_block_scores_report_where_each_block_matched():
@@ -321,6 +340,44 @@ def test_retrieval_heads_found_on_the_embedded_model(lm):
     heads = best_heads(scores)
     assert heads and all(0.1 < s <= 1.0 for _, s in heads.values())
     assert lm.model.config._attn_implementation != "eager"  # switched back
+
+
+def test_second_question_reading_starts_from_the_document_alone(lm, monkeypatch):
+    """question_votes: all reads the question twice; the second reading starts from the state the document
+    left (the first one's evictions, slots and votes undone), so it equals one reading of a fresh state given
+    the first reading's votes, and it answers the needle."""
+    from engines.ltri.engine import LtriEngine
+    from longctx_cli.tasks import generate, prompt_tail
+
+    tok = lm.tokenizer
+    sample = generate("niah_single_2", 2920, 1, tok, seed=1, depths=[0.6], budget=32)[0]
+    doc = torch.tensor([tok.bos_token_id] + tok(sample.document, add_special_tokens=False)["input_ids"])
+    question = torch.tensor(tok(prompt_tail(sample.question, sample.answer_prefix), add_special_tokens=False)
+                            ["input_ids"])
+    readings, slots = [], []
+    read = LtriEngine._read_question
+
+    def recorded(self, state, *args):
+        logits = read(self, state, *args)
+        readings.append(state.cache.question_chunks)
+        slots.append([list(layer.slots) for layer in state.cache.layers if layer.retrieve])
+        return logits
+
+    monkeypatch.setattr(LtriEngine, "_read_question", recorded)
+    engine = make_engine(lm, "ltri-stream", question_votes="all", **SMALL)
+    answer, state = greedy_answer(engine, doc, question, 12)
+    assert sample.expected[0] in tok.decode(answer)
+    assert len(readings) == 2 and engine.counters(state)["ltri_question_readings"] == 2
+    assert readings[0] and all(readings[0])  # the first reading voted in every chunk of the question
+
+    once = make_engine(lm, "ltri-stream", **SMALL)
+    fresh = once.prefill(doc, reserve=question.numel() + 12)
+    fresh.cache.first_reading = readings[0]
+    try:
+        once._read_question(fresh, question, 12)
+    finally:
+        fresh.cache.first_reading = None
+    assert slots[2] == slots[1]
 
 
 def test_static_index_mode_runs(lm):

@@ -253,12 +253,15 @@ def layer_specs(model_config, cfg, room: int) -> list[dict]:
 
 class LtriCache(StaticKVCache):
     """One LtriLayer per decoder layer (specs from `layer_specs`); `chunk_votes` collects retrieval-head
-    layers' block scores within a chunk."""
+    layers' block scores within a chunk, `question_chunks` those of each chunk of the question, and
+    `first_reading`, while the question is read a second time (LtriConfig.question_votes), the first's."""
 
     def __init__(self, config, capacity: int, specs: list[dict], indexer):
         super().__init__(config, capacity, [LtriLayer(self, **spec) for spec in specs])
         self.indexer = indexer
-        self.chunk_votes: list[tuple[float, torch.Tensor]] = []
+        self.chunk_votes: dict[int, tuple[float, torch.Tensor]] = {}  # layer -> (weight, normalised scores)
+        self.question_chunks: list[dict] = []
+        self.first_reading: list[dict] | None = None
         self.span_queue: list = []  # (layer, layer index, first block id, maps [k, block, block]) to divide
         self.pick_queue: list = []  # (layer, layer index, first block id, keys, votes) evicted, to index
         self.question = False  # the chunk in flight is the question (see LtriConfig.compensate_question)
@@ -266,7 +269,7 @@ class LtriCache(StaticKVCache):
         self.lams: dict[int, float] = {}  # per layer, lam calibrated to LtriConfig.compression
         self.lam_samples: dict[int, list[tuple[int, float]]] = {}  # (length, confidence) of recent spans
         self.stats = {"host_to_device_bytes": 0, "device_to_host_bytes": 0, "blocks_retrieved": 0,
-                      "retrievals": 0, "spans": 0, "blocks_indexed": 0, "successors": 0}
+                      "retrievals": 0, "spans": 0, "blocks_indexed": 0, "successors": 0, "question_readings": 0}
 
     def begin_chunk(self, offset: int, n: int) -> None:
         super().begin_chunk(offset, n)
@@ -275,5 +278,7 @@ class LtriCache(StaticKVCache):
             # right after the window, and no position reaches `rows`.
             full = next(layer for layer in self.layers if layer.retrieve)
             self.positions.set_shift(max(0, full.local_start - full.local0))
-        self.chunk_votes = []
+        self.chunk_votes = {}
+        if self.question:
+            self.question_chunks.append(self.chunk_votes)
         self.indexer.flush(self)

@@ -52,6 +52,13 @@ class LtriConfig:
     compensate_layers: list[int] | str | None = None
     # Compensate the question's chunk too (its retrieval is the one decoding keeps).
     compensate_question: bool = False
+    # Which retrieval-head layers a layer's question retrieval counts (section 3.5's voting): "earlier" (the
+    # paper: those before it in the same chunk) or "all" (ours: the question is read twice, and the second time
+    # every layer counts the first reading's votes of every retrieval-head layer, later ones included). Lower
+    # layers run before the layers that find the needles: on Qwen2.5-Coder-0.5B at 32K, layers 0-10 retrieved
+    # none of a sample's four needle blocks while layers 11-23 held all four, and decoding answered one or
+    # three values of four where every layer holding them answered all four.
+    question_votes: str = "earlier"
     # RoPE positions (engines/validation.py POSITIONS): "auto" re-assigns them within the device rows for
     # documents longer than the model's context (InfLLM), "cache" always, "document" never.
     positions: str = "auto"
@@ -62,7 +69,8 @@ class LtriConfig:
         require(self.n_init >= 0, "n_init", self.n_init, "an integer >= 0")
         for name, allowed in (("index", ("dynamic", "static")), ("pick", ("votes", "cover")),
                               ("ratio_mode", ("row", "col", "rowcol")), ("retrieval_heads", ("auto", "none")),
-                              ("context_memory", ("model", "fp8")), ("compensate", ("none", "exact"))):
+                              ("context_memory", ("model", "fp8")), ("compensate", ("none", "exact")),
+                              ("question_votes", ("earlier", "all"))):
             require(getattr(self, name) in allowed, name, getattr(self, name), " or ".join(allowed))
         require(0.0 < self.threshold < 1.0, "threshold", self.threshold, "a quantile in (0, 1)")
         require(0.0 < self.iou < 1.0, "iou", self.iou, "a number in (0, 1)")

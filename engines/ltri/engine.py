@@ -154,18 +154,37 @@ class LtriEngine(Engine):
                                    f"{hint}a shorter document or a host with more memory")
 
     def _encode_question(self, state, question_ids, n_new):
-        state.cache.question = True
+        cache = state.cache
+        if self.config.question_votes == "all" and self.config.voting and self.indexer.heads:
+            # The first reading's votes, then back to the document alone; its work stays in the counters.
+            kept = self.checkpoint(state)
+            self._read_question(state, question_ids, n_new)
+            first, spent = cache.question_chunks, dict(cache.stats)
+            self.restore(state, kept)
+            cache.stats, cache.first_reading = spent, first
         try:
-            logits = super()._encode_question(state, question_ids, n_new)
+            logits = self._read_question(state, question_ids, n_new)
         finally:
-            state.cache.question = False
-        self.indexer.flush(state.cache)  # index what the question's chunk evicted (the counters count it)
-        for layer in state.cache.layers:
+            cache.first_reading = None
+        for layer in cache.layers:
             if layer.local_len + n_new > layer.local_cap:
                 raise ValueError(f"ltri-stream window has no room for {n_new} new tokens")
             # Decode: the token at position p goes to row p - shift, right after the window.
             layer.shift.fill_(state.position - (layer.local0 + layer.local_len))
             layer.begin_decode()
+        return logits
+
+    def _read_question(self, state, question_ids, n_new):
+        """The question through the chunk path (the last prefill chunk: its retrieval is the one decoding keeps)."""
+        cache = state.cache
+        cache.question, cache.question_chunks = True, []
+        try:
+            logits = super()._encode_question(state, question_ids, n_new)
+        finally:
+            cache.question = False
+        self.indexer.flush(cache)  # index what the question's chunk evicted (the counters count it)
+        # A state saved before this counter existed lacks it.
+        cache.stats["question_readings"] = cache.stats.get("question_readings", 0) + 1
         return logits
 
     reusable = True
@@ -234,6 +253,10 @@ class LtriEngine(Engine):
                      if isinstance(layers, str) else f"layers {layers}")
             exact = (f"; compensate: exact in {which}, stored blocks merged by log-sum-exp"
                      + (", the question's chunk too" if cfg.compensate_question else ""))
+        if cfg.question_votes == "all":
+            exact += ("; the question read twice, every layer voting with every retrieval-head layer"
+                      if cfg.voting and self.indexer.heads else "; question_votes: all has no retrieval heads "
+                      "to count (voting off, or none found): the question is read once")
         return {"prefill_attention": f"{vote_attention_backend(self.device)} over init + retrieved + window "
                                      f"(votes, span maps{exact}); sliding layers: sdpa over their window",
                 "decode_attention": f"{decode_backend(self.device)} over the bounded rows (validity mask)"}

@@ -244,7 +244,8 @@ class Indexer:
     def _vote(self, layer_idx: int, scores: torch.Tensor, cache: LtriCache) -> torch.Tensor:
         """Collaborative voting (3.5): this layer's normalised scores plus those of earlier retrieval-head
         layers in this chunk, each weighted by its retrieval score (layers without one weigh 0.1, the
-        paper's retrieval-head cut-off)."""
+        paper's retrieval-head cut-off). While the question is read a second time (`question_votes: all`),
+        those of every retrieval-head layer of the first reading's same chunk instead, this layer's own left out."""
         if not self.cfg.voting or not self.heads:
             return scores
         finite = torch.isfinite(scores)
@@ -252,10 +253,13 @@ class Indexer:
         lo, hi = scores.masked_fill(~finite, float("inf")).amin(), scores.masked_fill(~finite, float("-inf")).amax()
         own = torch.where(finite, (scores - lo) / (hi - lo).clamp(min=1e-6), 0.0)
         weight = self.heads[layer_idx][1] if layer_idx in self.heads else 0.1
-        # Earlier layers' votes come from their own devices where the model is split (a vector per block).
-        total = weight * own + sum(w * s.to(own.device, non_blocking=True) for w, s in cache.chunk_votes)
+        others = cache.chunk_votes
+        if cache.first_reading is not None:
+            others = {i: v for i, v in cache.first_reading[len(cache.question_chunks) - 1].items() if i != layer_idx}
+        # Other layers' votes come from their own devices where the model is split (a vector per block).
+        total = weight * own + sum(w * s.to(own.device, non_blocking=True) for w, s in others.values())
         if layer_idx in self.heads:
-            cache.chunk_votes.append((weight, own))
+            cache.chunk_votes[layer_idx] = (weight, own)
         return total
 
     def counters(self, cache: LtriCache) -> dict:
@@ -283,6 +287,7 @@ class Indexer:
             "ltri_blocks_retrieved_per_chunk": round(stats["blocks_retrieved"] / stats["retrievals"], 1)
             if stats["retrievals"] else 0,
             "ltri_successors_loaded": stats["successors"],
+            "ltri_question_readings": stats.get("question_readings") or None,
             "ltri_host_to_device_bytes": stats["host_to_device_bytes"],
             "ltri_device_to_host_bytes": stats["device_to_host_bytes"],
             "ltri_retrieval_heads": ", ".join(f"L{l}:h{h} ({s:.2f})" for l, (h, s) in sorted(self.heads.items()))
