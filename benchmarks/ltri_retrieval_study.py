@@ -116,8 +116,9 @@ def _needle_ranks(indexer, layer, layer_idx, query, key, scaling, cache, wanted)
     keys = layer.memory.keys.used.float()  # [n, Hkv, block, D]
     own = layer.index.block_scores(weighted(qvec), n_blocks)[0]
     # The engine's own voting, on a copy of this chunk's votes so far (retrieve adds this layer's after us).
-    scores = {"engine": indexer._vote(layer_idx, own, SimpleNamespace(
-        chunk_votes=dict(cache.chunk_votes), first_reading=cache.first_reading, question_chunks=cache.question_chunks)))}
+    votes = SimpleNamespace(chunk_votes=dict(cache.chunk_votes), first_reading=cache.first_reading,
+                            question_chunks=cache.question_chunks)
+    scores = {"engine": indexer._vote(layer_idx, own, votes)}
     scores["no_vote"] = own
     scores["all_q"] = layer.index.block_scores(weighted(allq), n_blocks)[0]
     scores["last_q"] = layer.index.block_scores(weighted(allq[-1:]), n_blocks)[0]
