@@ -211,13 +211,15 @@ def test_override_that_is_not_yaml_is_refused_for_non_string_keys():
         resolve_profile("dense", {key: value})
 
 
-def test_set_null_clears_a_profile_key():
+def test_set_null_clears_a_profile_key(tmp_path):
     """`--set compensate_layers=null` sets the key to null (every retrieving layer), where a flag not given (None)
     leaves the profile's value alone."""
+    profile = tmp_path / "first.yaml"
+    profile.write_text("engine: ltri-stream\ncompensate: exact\ncompensate_layers: first\n")
     key, value = parse_override("compensate_layers=null")
-    assert resolve_profile("ltri-stream-4k", {}).engine_config.compensate_layers == "first"
-    assert resolve_profile("ltri-stream-4k", {key: value}).engine_config.compensate_layers is None
-    assert resolve_profile("ltri-stream-4k", {key: None}).engine_config.compensate_layers == "first"
+    assert resolve_profile(str(profile), {}).engine_config.compensate_layers == "first"
+    assert resolve_profile(str(profile), {key: value}).engine_config.compensate_layers is None
+    assert resolve_profile(str(profile), {key: None}).engine_config.compensate_layers == "first"
 
 
 def test_profile_is_a_plain_dataclass():
