@@ -111,6 +111,17 @@ def test_reference_lse_matches_dense():
     assert torch.equal(out, vote_attention_reference(q, k, v, key_pos, OFFSET, scale=0.25, n_own=20)[0])
 
 
+def test_reference_without_votes_is_the_same_attention():
+    """votes=False: the same output and lse, no votes or own map."""
+    q = make_queries(1, 4, 20, 16)
+    k, v, key_pos = blind_rows(1, 2, 20, 30, 16, blind=5)
+    full = vote_attention_reference(q, k, v, key_pos, OFFSET, scale=0.25, n_own=20, return_lse=True)
+    out, votes, own, lse = vote_attention(q, k, v, key_pos, OFFSET, scale=0.25, n_own=20, return_lse=True,
+                                          votes=False)
+    assert votes is None and own is None
+    assert torch.equal(out, full[0]) and torch.equal(lse, full[3])
+
+
 def blind_rows(B, Hkv, T, W, D, blind, dtype=torch.float32, device="cpu"):
     """Rows whose positions all follow the chunk's first `blind` queries: those queries see nothing."""
     k, v, _ = make_rows(B, Hkv, T, W, D, empty=0.0, dtype=dtype, device=device)
@@ -229,6 +240,23 @@ def test_triton_lse_matches_reference(dtype):
     assert lse.shape == (1, 14, 40) and (lse[:, :, :5] == float("-inf")).all()
     torch.testing.assert_close(lse[:, :, 5:].double(), want[:, :, 5:], atol=2e-3 if dtype != torch.float32 else 1e-4,
                                rtol=1e-3)
+
+
+@pytest.mark.triton
+def test_triton_without_votes_launches_the_attention_alone():
+    """votes=False: the first pass's output and lse, bit for bit, and no votes or own map."""
+    from kernels.vote_attention.triton import vote_attention_triton
+
+    dtype = _lowp_dtype()
+    q = make_queries(1, 14, 40, 64, dtype=dtype, device=DEVICE)
+    k, v, key_pos = make_rows(1, 2, 40, 150, 64, dtype=dtype, device=DEVICE)
+    full = vote_attention_triton(q, k, v, key_pos, OFFSET, scale=0.125, n_own=30, return_lse=True)
+    out, votes, own, lse = vote_attention_triton(q, k, v, key_pos, OFFSET, scale=0.125, n_own=30, return_lse=True,
+                                                 votes=False)
+    assert votes is None and own is None
+    assert torch.equal(out, full[0]) and torch.equal(lse, full[3])
+    plain = vote_attention_triton(q, k, v, key_pos, OFFSET, scale=0.125, n_own=30, votes=False)
+    assert len(plain) == 3 and torch.equal(plain[0], out)
 
 
 @pytest.mark.parametrize("change,message", [

@@ -43,14 +43,14 @@ def softmax_attention(layer: LtriLayer, query, key, value, scaling, offset, n_ow
     layer.votes[:width] += got[1]
     if not exact:
         return got[0], got[2]
-    # Every stored block precedes the chunk, so each query sees all of a batch: attention over it (its votes
-    # unused) merged with the rows' by log-sum-exp.
+    # Every stored block precedes the chunk, so each query sees all of a batch: attention over it (no votes)
+    # merged with the rows' by log-sum-exp.
     outs, lses = [got[0]], [got[3]]
     # A batch's positions (at most a slot count of blocks): 0, seen by every query.
     at_zero = torch.zeros(max(layer.n_retrieved, layer.block), dtype=torch.long, device=query.device)
     for k_b, v_b in _stored_batches(layer, query.device):
         o_b, _, _, lse_b = vote_attention(query, k_b, v_b, at_zero[:k_b.shape[2]], offset, scale=scaling, n_own=1,
-                                          return_lse=True)
+                                          return_lse=True, votes=False)
         outs.append(o_b)
         lses.append(lse_b)
     return merge_partials(outs, lses)[0], got[2]

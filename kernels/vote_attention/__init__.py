@@ -37,6 +37,7 @@ def vote_attention(
     scale: float,
     n_own: int,
     return_lse: bool = False,
+    votes: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Attention of queries at positions offset.. over rows at key_pos, with votes and the own map.
 
@@ -44,11 +45,12 @@ def vote_attention(
     row j iff 0 <= key_pos[j] <= offset + i. Returns out [B, Hq, T, D] in q's dtype, votes [W] fp32 (the
     probabilities summed over batch, heads and queries) and own [n_own, n_own] fp32 (the last n_own queries on
     the last n_own rows, summed over batch and heads). return_lse: also lse [B, Hq, T] fp32 (natural log, -inf
-    for a query that sees no row). See reference.vote_attention_reference.
+    for a query that sees no row). votes=False: the attention alone, votes and own returned as None (on CUDA
+    half the work: no second pass). See reference.vote_attention_reference.
     """
     impl = _triton_impl() if q.is_cuda else None
     impl = impl or vote_attention_reference
-    return impl(q, k, v, key_pos, offset, scale=scale, n_own=n_own, return_lse=return_lse)
+    return impl(q, k, v, key_pos, offset, scale=scale, n_own=n_own, return_lse=return_lse, votes=votes)
 
 
 def vote_attention_backend(device: torch.device) -> str:

@@ -21,6 +21,7 @@ def vote_attention_reference(
     scale: float,
     n_own: int,
     return_lse: bool = False,
+    votes: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Attention of T queries over W rows whose positions are in any order, with the probabilities' sums.
 
@@ -31,7 +32,8 @@ def vote_attention_reference(
     queries; own [n_own, n_own] fp32, own[a, c] = the probabilities of query T - n_own + a on row
     W - n_own + c summed over batch and heads (1 <= n_own <= min(T, W)). A query that sees no row gets out 0
     and adds nothing. return_lse: also lse [B, Hq, T] fp32, each query's log-sum-exp of its scaled scores
-    (natural log; -inf for a query that sees no row), for merging with attention over other keys.
+    (natural log; -inf for a query that sees no row), for merging with attention over other keys. votes=False:
+    votes and own are not summed and come back as None.
     """
     B, Hq, T, D = q.shape
     Hkv, W = k.shape[1], k.shape[2]
@@ -41,8 +43,9 @@ def vote_attention_reference(
     # An empty row's V is never weighted, but 0 * NaN would still be NaN.
     v = v.float().masked_fill(~filled[:, None], 0.0)[:, :, None]  # [B, Hkv, 1, W, D]
     out = torch.empty_like(q)
-    votes = torch.zeros(W, dtype=torch.float32, device=q.device)
-    own = torch.zeros(n_own, n_own, dtype=torch.float32, device=q.device)
+    want_votes = votes
+    votes = torch.zeros(W, dtype=torch.float32, device=q.device) if want_votes else None
+    own = torch.zeros(n_own, n_own, dtype=torch.float32, device=q.device) if want_votes else None
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     # Built once for the chunk's queries [T, W] and sliced, rather than once per query slice.
     seen = filled & (key_pos <= torch.arange(offset, offset + T, device=q.device)[:, None])
@@ -57,6 +60,8 @@ def vote_attention_reference(
         if blind.any():
             p.masked_fill_(blind[:, None], 0.0)
         out[:, :, lo:lo + t] = torch.matmul(p, v).view(B, Hq, t, D).to(q.dtype)
+        if not want_votes:
+            continue
         heads = p.sum(dim=(0, 1, 2))  # [t, W]
         votes += heads.sum(dim=0)
         first = max(lo, T - n_own)

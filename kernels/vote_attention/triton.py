@@ -173,12 +173,13 @@ def vote_attention_triton(
     scale: float,
     n_own: int,
     return_lse: bool = False,
+    votes: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Same contract as reference.vote_attention_reference; CUDA tensors (or any under the interpreter).
 
     q: [B, Hq, T, D]; k, v: [B, Hkv, W, D], any strides with a contiguous last dimension (views of a larger
     row buffer); key_pos: [W] int64. Returns out [B, Hq, T, D] in q's dtype, votes [W] fp32, own
-    [n_own, n_own] fp32.
+    [n_own, n_own] fp32 (votes=False: None for both, and the second pass is not launched).
     """
     _validate(q, k, v, key_pos, n_own)
     B, Hq, T, D = q.shape
@@ -188,9 +189,6 @@ def vote_attention_triton(
     qk_scale = scale * _LOG2E
     out = torch.empty(B, Hq, T, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B * Hq, T, device=q.device, dtype=torch.float32)
-    # Every element of both partials is written by exactly one program.
-    votes_part = torch.empty(B * Hkv, W, device=q.device, dtype=torch.float32)
-    own_part = torch.empty(B * Hkv, n_own, n_own, device=q.device, dtype=torch.float32)
     q_strides = (q.stride(0), q.stride(1), q.stride(2))
     k_strides = (k.stride(0), k.stride(1), k.stride(2))
     with launch_context(q.device):
@@ -201,6 +199,11 @@ def vote_attention_triton(
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
             num_warps=warps, num_stages=stages,
         )
+        if not votes:
+            return (out, None, None, lse.view(B, Hq, T) * _LN2) if return_lse else (out, None, None)
+        # Every element of both partials is written by exactly one program.
+        votes_part = torch.empty(B * Hkv, W, device=q.device, dtype=torch.float32)
+        own_part = torch.empty(B * Hkv, n_own, n_own, device=q.device, dtype=torch.float32)
         block_m, block_n, warps, stages = _config(_VOTES_CONFIG, D)
         _vote_attention_votes_kernel[(triton.cdiv(W, block_n), B * Hkv)](
             q, k, key_pos, lse, votes_part, own_part, qk_scale, offset, W, T, n_own, Hkv, group,
