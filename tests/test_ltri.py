@@ -414,9 +414,14 @@ def test_chunk_size_must_be_whole_blocks(capsys, monkeypatch, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compensate, positions", [("none", "auto"), ("exact", "auto"), ("none", "cache")],
-                         ids=["document-positions", "compensate-exact", "positions-reassigned"])
-def test_gpu_graph_decode_equals_cpu_reference(compensate, positions):
+@pytest.mark.parametrize("extra", [
+    {},
+    {"compensate": "exact"},
+    # ltri-stream-4k's settings: every layer compensated, the question's chunk too, the question read twice.
+    {"compensate": "exact", "compensate_question": True, "question_votes": "all"},
+    {"positions": "cache"},
+], ids=["document-positions", "compensate-exact", "compensate-question-read-twice", "positions-reassigned"])
+def test_gpu_graph_decode_equals_cpu_reference(extra):
     """The captured decode graph answers as the CPU reference does, also where every step reads keys rotated to
     re-assigned positions (the rotated-keys buffer, and the one row each step writes)."""
     from longctx_cli.models import load_model
@@ -424,7 +429,7 @@ def test_gpu_graph_decode_equals_cpu_reference(compensate, positions):
     gpu_lm = load_model(None, device="cuda", dtype="float32")
     cpu_lm = load_model(None, device="cpu", dtype="float32")
     doc, question = story_ids(cpu_lm, "The keeper counted the ships in the bay. " * 30, 1500)
-    settings = {**SMALL, "compensate": compensate, "positions": positions}
+    settings = {**SMALL, **extra}
     want, _ = greedy_answer(make_engine(cpu_lm, "ltri-stream", **settings), doc, question, 12)
     engine = make_engine(gpu_lm, "ltri-stream", **settings)
     got, state = greedy_answer(engine, doc, question, 12)
