@@ -82,20 +82,21 @@ def test_sampling_is_seeded(lm, story_text):
     assert seeded[0] != run(Sampler())
 
 
-def test_converted_cache_reloads_without_converting_and_gives_identical_logits(lm, monkeypatch):
+def test_converted_cache_reloads_without_converting_and_gives_identical_logits(lm, monkeypatch, tmp_path):
     """A second load reads the safetensors cache (no GGUF conversion) and gives exactly the logits of the GGUF
-    as transformers itself loads it."""
+    as transformers itself loads it (assembled here from the packages: the product keeps only the conversion)."""
     from transformers import AutoModelForCausalLM
 
     import longctx_cli.gguf_convert
-    from longctx_cli.home import longctx_home
     from longctx_cli.models import _load_model
+    from longctx_cli.named_models import NAMED
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("the converted cache was not used")
 
     monkeypatch.setattr(longctx_cli.gguf_convert, "convert_gguf", no_conversion)
-    gguf = longctx_home() / "gguf" / "gemma-3-270m-q4_k_m.gguf"
+    gguf = tmp_path / "gemma3-270m.gguf"
+    NAMED["gemma3-270m"].assemble(gguf)
     ids = torch.tensor([[2, 818, 5279, 529, 7001, 563]])  # "<bos>The capital of France is"
     again = _load_model(None, "cpu", "float32", lm.tokenizer, lambda m: None)
     original = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
