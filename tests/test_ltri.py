@@ -276,10 +276,15 @@ def test_retrieval_slots_keep_blocks_already_loaded():
 SMALL = dict(n_init=64, block_size=64, top_k=4, n_local=256, chunk_size=128)  # device budget 704 tokens
 
 
-@pytest.mark.parametrize("context_memory", ["model", "fp8"])
-def test_needle_in_a_document_four_times_the_budget(lm, context_memory):
+@pytest.mark.parametrize("context_memory, question_votes", [("model", "earlier"), ("fp8", "all")],
+                         ids=["model-dtype", "fp8-question-read-twice"])
+def test_needle_in_a_document_four_times_the_budget(lm, monkeypatch, context_memory, question_votes):
     """2.8K tokens through 704 device rows per layer: the needle is answered from retrieved blocks, the
-    device never holds more than the budget, and every evicted token is in CPU memory (also in fp8)."""
+    device never holds more than the budget, and every evicted token is in CPU memory (also in fp8).
+    question_votes: all reads the question twice, the second time from the state the document left (the first
+    reading's evictions, slots and votes undone): it retrieves what one reading of the same state does when
+    given the first reading's votes."""
+    from engines.ltri.engine import LtriEngine
     from longctx_cli.tasks import generate, prompt_tail
 
     tok = lm.tokenizer
@@ -289,9 +294,22 @@ def test_needle_in_a_document_four_times_the_budget(lm, context_memory):
     question = torch.tensor(tok(tail, add_special_tokens=False)["input_ids"])
     budget = SMALL["n_init"] + SMALL["top_k"] * SMALL["block_size"] + SMALL["n_local"] + SMALL["chunk_size"]
     assert doc.numel() >= 4 * budget
-    engine = make_engine(lm, "ltri-stream", context_memory=context_memory, **SMALL)
+    readings = []  # (the state before the reading, its votes, the slots after it)
+    read = LtriEngine._read_question
+
+    def recorded(self, state, *args):
+        before = self.checkpoint(state)
+        logits = read(self, state, *args)
+        readings.append((before, state.cache.question_chunks,
+                         [list(layer.slots) for layer in state.cache.layers if layer.retrieve]))
+        return logits
+
+    monkeypatch.setattr(LtriEngine, "_read_question", recorded)
+    engine = make_engine(lm, "ltri-stream", context_memory=context_memory, question_votes=question_votes, **SMALL)
     answer, state = greedy_answer(engine, doc, question, 12)
     assert sample.expected[0] in tok.decode(answer)
+    twice = question_votes == "all"
+    assert len(readings) == 1 + twice and engine.counters(state)["ltri_question_readings"] == 1 + twice
     counters = engine.counters(state)
     assert counters["ltri_peak_valid_rows"] <= budget
     assert counters["ltri_blocks_retrieved_per_chunk"] > 0
@@ -307,6 +325,16 @@ def test_needle_in_a_document_four_times_the_budget(lm, context_memory):
             assert layer.keys.shape[2] == layer.rows  # the device buffers never grew
         else:
             assert layer.local_len <= layer.window
+    if twice:
+        (before, votes, _), (_, _, slots) = readings
+        assert votes and all(votes)  # the first reading voted in every chunk of the question
+        engine.restore(state, before)
+        state.cache.first_reading = votes
+        try:
+            read(engine, state, question, 12)
+        finally:
+            state.cache.first_reading = None
+        assert [list(layer.slots) for layer in state.cache.layers if layer.retrieve] == slots
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
@@ -340,44 +368,6 @@ def test_retrieval_heads_found_on_the_embedded_model(lm):
     heads = best_heads(scores)
     assert heads and all(0.1 < s <= 1.0 for _, s in heads.values())
     assert lm.model.config._attn_implementation != "eager"  # switched back
-
-
-def test_second_question_reading_starts_from_the_document_alone(lm, monkeypatch):
-    """question_votes: all reads the question twice; the second reading starts from the state the document
-    left (the first one's evictions, slots and votes undone), so it equals one reading of a fresh state given
-    the first reading's votes, and it answers the needle."""
-    from engines.ltri.engine import LtriEngine
-    from longctx_cli.tasks import generate, prompt_tail
-
-    tok = lm.tokenizer
-    sample = generate("niah_single_2", 2920, 1, tok, seed=1, depths=[0.6], budget=32)[0]
-    doc = torch.tensor([tok.bos_token_id] + tok(sample.document, add_special_tokens=False)["input_ids"])
-    question = torch.tensor(tok(prompt_tail(sample.question, sample.answer_prefix), add_special_tokens=False)
-                            ["input_ids"])
-    readings, slots = [], []
-    read = LtriEngine._read_question
-
-    def recorded(self, state, *args):
-        logits = read(self, state, *args)
-        readings.append(state.cache.question_chunks)
-        slots.append([list(layer.slots) for layer in state.cache.layers if layer.retrieve])
-        return logits
-
-    monkeypatch.setattr(LtriEngine, "_read_question", recorded)
-    engine = make_engine(lm, "ltri-stream", question_votes="all", **SMALL)
-    answer, state = greedy_answer(engine, doc, question, 12)
-    assert sample.expected[0] in tok.decode(answer)
-    assert len(readings) == 2 and engine.counters(state)["ltri_question_readings"] == 2
-    assert readings[0] and all(readings[0])  # the first reading voted in every chunk of the question
-
-    once = make_engine(lm, "ltri-stream", **SMALL)
-    fresh = once.prefill(doc, reserve=question.numel() + 12)
-    fresh.cache.first_reading = readings[0]
-    try:
-        once._read_question(fresh, question, 12)
-    finally:
-        fresh.cache.first_reading = None
-    assert slots[2] == slots[1]
 
 
 def test_static_index_mode_runs(lm):
