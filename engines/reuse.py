@@ -12,6 +12,15 @@ if TYPE_CHECKING:
     from engines.base import DocumentState
 
 
+def _first_kept(layer, n_tokens: int) -> int:
+    """The first of a document's positions a later token can attend in this cache layer: 0, or for a
+    sliding-window layer the start of the last window (the question's first token reads back window - 1 keys).
+    Saved states keep only those rows: Gemma 3's 15 sliding layers of 18 then take 512 tokens each whatever
+    the document's length."""
+    window = getattr(layer, "sliding_window", None)
+    return max(0, n_tokens - window) if window else 0
+
+
 class Reuse:
     reusable: ClassVar[bool] = False
 
@@ -42,7 +51,9 @@ class Reuse:
         n = state.n_tokens
         tensors = {}
         for i, layer in enumerate(state.cache.layers):
-            tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"] = layer.keys[:, :, :n], layer.values[:, :, :n]
+            first = _first_kept(layer, n)
+            tensors[f"layers.{i}.keys"] = layer.keys[:, :, first:n]
+            tensors[f"layers.{i}.values"] = layer.values[:, :, first:n]
         return self._with_document(state, tensors, {})
 
     @torch.inference_mode()
@@ -53,8 +64,13 @@ class Reuse:
         for i, layer in enumerate(cache.layers):
             keys = tensors[f"layers.{i}.keys"].to(self.layer_device(i))
             values = tensors[f"layers.{i}.values"].to(keys.device)
+            first = n - keys.shape[2]
+            if first < 0 or first > _first_kept(layer, n):
+                raise ValueError(f"saved layer {i} holds {keys.shape[2]} tokens of a {n}-token document, "
+                                 f"it needs at least {n - _first_kept(layer, n)}")
             layer.lazy_initialization(keys, values)
-            layer.keys[:, :, :n], layer.values[:, :, :n] = keys, values
+            # Rows before `first` stay zero: a sliding-window layer never attends them again.
+            layer.keys[:, :, first:n], layer.values[:, :, first:n] = keys, values
         return self._state_from(cache, tensors, meta)
 
     @staticmethod

@@ -94,6 +94,32 @@ def test_exported_state_answers_as_a_fresh_prefill(lm, document, name, settings)
     assert list(engine.answer(restored, questions[0], NEW, Sampler())) == want
 
 
+def test_saved_sliding_window_layers_keep_their_last_window(lm, document):
+    """Gemma 3's sliding-window layers never attend a document's keys before its last window again, so a saved
+    state keeps only those rows there; a state saved whole (as before) still reads back to the same answer."""
+    doc, questions = document
+    engine = make_engine(lm, "dense", chunk_size=256)
+    reserve = questions[0].numel() + NEW
+    state = engine.prefill(doc, reserve=reserve)
+    tensors, meta = engine.export_state(state)
+    want = list(engine.answer(state, questions[0], NEW, Sampler()))
+    window = lm.model.config.get_text_config(decoder=True).sliding_window
+    n = doc.numel()
+    assert window < n
+    rows = {layer.is_sliding: tensors[f"layers.{i}.keys"].shape[2] for i, layer in enumerate(state.cache.layers)}
+    assert rows == {True: window, False: n}
+    whole = {k: v.clone() for k, v in tensors.items()}
+    for i, layer in enumerate(state.cache.layers):
+        whole[f"layers.{i}.keys"] = layer.keys[:, :, :n].clone()
+        whole[f"layers.{i}.values"] = layer.values[:, :, :n].clone()
+    for saved in ({k: v.clone() for k, v in tensors.items()}, whole):
+        assert list(engine.answer(engine.import_state(saved, meta, reserve), questions[0], NEW, Sampler())) == want
+    short = {**tensors, "layers.0.keys": tensors["layers.0.keys"][:, :, 1:],
+             "layers.0.values": tensors["layers.0.values"][:, :, 1:]}
+    with pytest.raises(ValueError, match="saved layer 0 holds"):
+        engine.import_state(short, meta, reserve)
+
+
 @pytest.fixture
 def states_home():
     """The test's own saved-state folder (conftest's `_own_saved_states`)."""
