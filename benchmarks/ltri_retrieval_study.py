@@ -134,17 +134,32 @@ def _needle_ranks(indexer, layer, layer_idx, query, key, scaling, cache, wanted)
     return {name: _rank(s, wanted) for name, s in scores.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def sample_arguments(parser: argparse.ArgumentParser, *, profile: str, task: str, length: int, samples: int,
+                     chunk_size: int) -> None:
+    """The options that pick a study's model, profile and samples (those of `longctx bench`)."""
     parser.add_argument("--model", default=None, help="a named model (longctx models) or a model folder; default: the embedded one")
-    parser.add_argument("--profile", default="ltri-stream", help="the ltri-stream profile the --set overrides start from")
-    parser.add_argument("--task", default="niah_single_3")
-    parser.add_argument("--length", type=int, default=4096)
-    parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--profile", default=profile, help="the ltri-stream profile the --set overrides start from")
+    parser.add_argument("--task", default=task)
+    parser.add_argument("--length", type=int, default=length)
+    parser.add_argument("--samples", type=int, default=samples)
     parser.add_argument("--seed", type=int, default=0, help="the harness's sample seed (bench --seed)")
     parser.add_argument("--only", default="", help="comma-separated sample indices to run (of the first --samples)")
-    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--chunk-size", type=int, default=chunk_size)
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE profile overrides")
+
+
+def chosen_samples(args, tokenizer, budget: int, overhead: int):
+    """The task's samples as `longctx bench` makes them, those --only names (all without it)."""
+    only = {int(i) for i in args.only.split(",") if i}
+    for sample in generate(args.task, args.length, args.samples, tokenizer, seed=args.seed, budget=budget,
+                           overhead=overhead):
+        if not only or sample.index in only:
+            yield sample
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sample_arguments(parser, profile="ltri-stream", task="niah_single_3", length=4096, samples=5, chunk_size=256)
     parser.add_argument("--inject", default="",
                         help="comma-separated layer ids: force the needle blocks into these layers' question "
                              "retrieval (the paper's mandatory evidence injection, appendix A); 'all' for every layer")
@@ -208,12 +223,8 @@ def main() -> None:
         engine.indexer.retrieve = diagnosed
     forced_question: list[int] = []
     rows = []
-    only = {int(i) for i in args.only.split(",") if i}
     budget = min(ANSWER_BUDGET[args.task], prof.run.max_new_tokens)  # as `longctx bench`: the same samples
-    for sample in generate(args.task, args.length, args.samples, lm.tokenizer, seed=args.seed, budget=budget,
-                           overhead=builder.overhead()):
-        if only and sample.index not in only:
-            continue
+    for sample in chosen_samples(args, lm.tokenizer, budget, builder.overhead()):
         doc = torch.cat([builder.prefix, _ids(lm.tokenizer, sample.document)])
         tail = builder.tail(sample.question, sample.answer_prefix)
         needles = [needle_blocks(lm.tokenizer, builder.prefix.numel(), sample.document, n, cfg.n_init,
