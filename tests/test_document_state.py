@@ -32,7 +32,9 @@ CASES = [pytest.param("dense", {}, id="dense"),
          pytest.param("star", {"blocks": 3, "min_block_size": 64}, id="star"),
          pytest.param("ltri-stream", {"n_init": 32, "n_local": 128, "block_size": 32, "top_k": 2}, id="ltri"),
          pytest.param("ltri-stream", {"n_init": 32, "n_local": 128, "block_size": 32, "top_k": 2,
-                                      "context_memory": "fp8"}, id="ltri-fp8")]
+                                      "context_memory": "fp8"}, id="ltri-fp8"),
+         pytest.param("ltri-stream", {"n_init": 32, "n_local": 128, "block_size": 32, "top_k": 2,
+                                      "decode_summaries": True}, id="ltri-summaries")]
 REUSABLE = sorted(name for name, cls in ENGINES.items() if cls.reusable)
 
 

@@ -38,6 +38,8 @@ PLANNED = [
     ("ltri-stream", {"n_init": 64, "block_size": 64, "top_k": 4, "n_local": 256}),  # blocks leave: an index
     # Positions re-assigned: the rotated keys decode reads.
     ("ltri-stream", {"n_init": 64, "block_size": 64, "top_k": 4, "n_local": 256, "positions": "cache"}),
+    # A mean key and value row per stored block for decoding.
+    ("ltri-stream", {"n_init": 64, "block_size": 64, "top_k": 4, "n_local": 256, "decode_summaries": True}),
 ]
 
 

@@ -410,7 +410,9 @@ def test_chunk_size_must_be_whole_blocks(capsys, monkeypatch, tmp_path):
     # ltri-stream-4k's settings: every layer compensated, the question's chunk too, the question read twice.
     {"compensate": "exact", "compensate_question": True, "question_votes": "all"},
     {"positions": "cache"},
-], ids=["document-positions", "compensate-exact", "compensate-question-read-twice", "positions-reassigned"])
+    {"decode_summaries": True},
+], ids=["document-positions", "compensate-exact", "compensate-question-read-twice", "positions-reassigned",
+        "decode-summaries"])
 def test_gpu_graph_decode_equals_cpu_reference(extra):
     """The captured decode graph answers as the CPU reference does, also where every step reads keys rotated to
     re-assigned positions (the rotated-keys buffer, and the one row each step writes)."""
@@ -591,6 +593,56 @@ def test_exact_compensation_equals_attention_over_every_stored_key(monkeypatch):
     assert owner.stats["host_to_device_bytes"] == 3 * 2 * hkv * block * d * 4  # the 3 blocks' K and V, once
     rows_only, _ = softmax_attention(layer, query, layer.keys, layer.values, 0.5, n - t, t, exact=False)
     assert (rows_only - out).abs().max() > 1e-3
+
+
+def test_decode_summaries_attend_each_left_out_block_as_its_mean_row_weighted_by_its_size():
+    """decode_summaries: a decode step's attention is one softmax over the rows (init, retrieved blocks, window)
+    and a row per stored block the slots do not hold, its mean key with log(block_size) added to the logit and
+    its mean value; the blocks the slots hold get no summary row."""
+    from types import SimpleNamespace
+
+    from engines.ltri.attention import decode_rows
+    from engines.ltri.cache import LtriLayer
+
+    torch.manual_seed(42)
+    hkv, g, d, block = 2, 2, 8, 4
+    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None,
+                            stats={"host_to_device_bytes": 0})
+    layer = LtriLayer(owner, n_init=4, n_retrieved=2 * block, n_local=8, block=block, room=8, window=None,
+                      retrieve=True, summaries=True)
+    layer.lazy_initialization(torch.zeros(1, hkv, 1, d), torch.zeros(1, hkv, 1, d))
+    n = 4 + 5 * block + 6  # init, 5 stored blocks, 6 window tokens
+    keys, values = torch.randn(hkv, n, d), torch.randn(hkv, n, d)
+    layer._write(0, keys[None, :, :4], values[None, :, :4], 0)
+    layer.memory.add(keys[:, 4:24], values[:, 4:24])
+    layer.summarize(0, keys[:, 4:24], values[:, 4:24])
+    layer.local_start, layer.local_len = 24, 6
+    layer._write(layer.local0, keys[None, :, 24:], values[None, :, 24:], 24)
+    layer.load_blocks([1, 3])
+    layer.begin_decode()
+    assert layer.summary_rows() == 3  # blocks 0, 2 and 4
+    query = torch.randn(1, hkv * g, 1, d)
+    out = decode_rows(layer, query, layer.keys, layer.values, 0.5, None)
+    held = torch.cat([torch.arange(4), torch.arange(8, 12), torch.arange(16, 20), torch.arange(24, n)])
+    mean_k = keys[:, 4:24].unflatten(1, (5, block)).mean(dim=2)[:, [0, 2, 4]]
+    mean_v = values[:, 4:24].unflatten(1, (5, block)).mean(dim=2)[:, [0, 2, 4]]
+    k_all, v_all = torch.cat([keys[:, held], mean_k], dim=1), torch.cat([values[:, held], mean_v], dim=1)
+    bias = torch.cat([torch.zeros(held.numel()), torch.full((3,), torch.log(torch.tensor(float(block))))])
+    q = query[0, :, 0].view(hkv, g, d)
+    p = torch.softmax(torch.einsum("hgd,hnd->hgn", q, k_all) * 0.5 + bias, dim=-1)
+    want = torch.einsum("hgn,hnd->hgd", p, v_all)
+    torch.testing.assert_close(out[0, 0].view(hkv, g, d), want)  # out: [B, 1, Hq, D]
+    layer.summary_mask.zero_()  # no summary row: the rows alone
+    rows_only = decode_rows(layer, query, layer.keys, layer.values, 0.5, None)
+    assert (rows_only - out).abs().max() > 1e-3
+
+
+def test_decode_summaries_are_refused_past_the_context(capsys, monkeypatch, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A short document. " * 20)
+    code, _, err = run_cli(["ask", str(doc), "Why?", "--profile", "ltri-stream", "--set", "decode_summaries=true",
+                            "--set", "positions=cache"], capsys, monkeypatch)
+    assert code == 4 and "decode_summaries" in err and "past the model's context" in err
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

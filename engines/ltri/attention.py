@@ -6,6 +6,8 @@ rows with a validity mask."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -72,5 +74,11 @@ def decode_rows(layer: LtriLayer, query, key, value, scaling, cache: LtriCache):
     if layer.window is not None:
         mask = mask & (cache.position_on(query.device) - layer.key_pos < layer.window)
     mask = mask.view(1, 1, -1).expand(key.shape[0], key.shape[1], -1).contiguous()
-    out = decode_attention(query[:, :, 0], key, value, layer.rows_t, scale=scaling, mask=mask)
-    return out.unsqueeze(1)
+    if layer.summary_keys is None:
+        return decode_attention(query[:, :, 0], key, value, layer.rows_t, scale=scaling, mask=mask).unsqueeze(1)
+    # LtriConfig.decode_summaries: the stored blocks the rows leave out, a mean row each standing for its
+    # block_size tokens (log(block_size) added to its log-sum-exp), merged with the rows' attention.
+    out, lse = decode_attention(query[:, :, 0], key, value, layer.rows_t, scale=scaling, mask=mask, return_lse=True)
+    s_out, s_lse = decode_attention(query[:, :, 0], layer.summary_keys, layer.summary_values, layer.summary_length,
+                                    scale=scaling, mask=layer.summary_mask, return_lse=True)
+    return merge_partials([out, s_out], [lse, s_lse + math.log(layer.block)])[0].unsqueeze(1)

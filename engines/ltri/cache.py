@@ -25,9 +25,12 @@ from engines.ltri.memory import ContextMemory, IndexMemory, context_blocks
 class LtriLayer(OwnedRowsLayer):
 
     def __init__(self, owner: "LtriCache", *, n_init: int, n_retrieved: int, n_local: int, block: int,
-                 room: int, window: int | None, retrieve: bool, fp8_memory: bool = False, max_vectors: int = 0):
+                 room: int, window: int | None, retrieve: bool, fp8_memory: bool = False, max_vectors: int = 0,
+                 summaries: bool = False):
         super().__init__()
         self.owner, self.block, self.window, self.retrieve = owner, block, window, retrieve
+        self.summaries = summaries and retrieve
+        self.summary_keys = self.summary_values = self.summary_mask = self.summary_length = None
         self.fp8_memory, self.max_vectors = fp8_memory, max_vectors
         self.is_sliding = window is not None
         self.n_init, self.n_retrieved, self.n_local = n_init, n_retrieved, n_local
@@ -72,6 +75,14 @@ class LtriLayer(OwnedRowsLayer):
             slab = blocks if self.owner.memory_blocks is None else self.owner.memory_blocks
             self.memory = ContextMemory(heads, self.block, dim, self.dtype, pin, slab, self.fp8_memory)
             self.index = IndexMemory(heads, dim, self.dtype, self.device, blocks * self.max_vectors)
+            if self.summaries:
+                # LtriConfig.decode_summaries: per stored block its mean key and value, a row each, [1, Hkv, n, D]
+                # for the whole document, and which of them a decode step attends (set by begin_decode).
+                self.summary_keys = torch.zeros(batch, heads, blocks, dim, dtype=self.dtype, device=self.device)
+                self.summary_values = torch.zeros(batch, heads, blocks, value_states.shape[-1], dtype=self.dtype,
+                                                  device=self.device)
+                self.summary_mask = torch.zeros(batch, heads, blocks, dtype=torch.bool, device=self.device)
+                self.summary_length = torch.full((batch,), blocks, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -140,6 +151,25 @@ class LtriLayer(OwnedRowsLayer):
         if self.rotated is not None:
             self.rotated.copy_(self.owner.positions.rotate(self.keys, self.assigned(), self.is_sliding,
                                                            below=self.rows))
+        if self.summary_mask is not None:
+            # Every stored block but those the retrieval slots hold: the decoded tokens keep this retrieval.
+            attend = torch.zeros(self.summary_mask.shape[-1], dtype=torch.bool)
+            attend[:self.memory.n_blocks] = True
+            attend[[b for b in self.slots if 0 <= b < self.memory.n_blocks]] = False
+            self.summary_mask.copy_(attend.expand_as(self.summary_mask))
+
+    def summarize(self, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Stored blocks first, first + 1, ... (keys, values [Hkv, n * block, D] as written to context memory):
+        their mean key and value rows (LtriConfig.decode_summaries)."""
+        if self.summary_keys is None:
+            return
+        n = keys.shape[1] // self.block
+        for rows, x in ((self.summary_keys, keys), (self.summary_values, values)):
+            rows[0, :, first:first + n] = x.unflatten(1, (n, self.block)).float().mean(dim=2).to(rows.dtype)
+
+    def summary_rows(self) -> int:
+        """How many summary rows a decode step attends (0 without LtriConfig.decode_summaries)."""
+        return 0 if self.summary_mask is None else int(self.summary_mask[0, 0].sum())
 
     def reattend_slots(self, attended: torch.Tensor) -> None:
         """After the retrieval slots were filled: their rows of `attended` (from `attended`) rotated afresh."""
@@ -236,7 +266,10 @@ class LtriLayer(OwnedRowsLayer):
             return 0
         index = self.index.nbytes() if self.retrieve else 0
         rotated = self.rotated.nbytes if self.rotated is not None else 0
-        return self.keys.nbytes + self.values.nbytes + self.key_pos.nbytes + self.votes.nbytes + index + rotated
+        summaries = sum(t.nbytes for t in (self.summary_keys, self.summary_values, self.summary_mask)
+                        if t is not None)
+        return (self.keys.nbytes + self.values.nbytes + self.key_pos.nbytes + self.votes.nbytes + index + rotated
+                + summaries)
 
 
 def layer_specs(model_config, cfg, room: int) -> list[dict]:
@@ -244,7 +277,8 @@ def layer_specs(model_config, cfg, room: int) -> list[dict]:
     retrieval slots, a window of cfg.n_local); the model's sliding-window layers keep only their window."""
     window = getattr(model_config.get_text_config(decoder=True), "sliding_window", None)
     full = dict(n_init=cfg.n_init, n_local=cfg.n_local, window=None, retrieve=True,
-                fp8_memory=cfg.context_memory == "fp8", max_vectors=cfg.vectors_per_block())
+                fp8_memory=cfg.context_memory == "fp8", max_vectors=cfg.vectors_per_block(),
+                summaries=cfg.decode_summaries)
     sliding = dict(n_init=0, n_retrieved=0, n_local=window, window=window, retrieve=False)
     return [dict(sliding, block=cfg.block_size, room=room) if t == "sliding_attention" else
             dict(full, n_retrieved=cfg.top_k * cfg.block_size, block=cfg.block_size, room=room)

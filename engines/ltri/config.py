@@ -59,6 +59,14 @@ class LtriConfig:
     # none of a sample's four needle blocks while layers 11-23 held all four, and decoding answered one or
     # three values of four where every layer holding them answered all four.
     question_votes: str = "earlier"
+    # Ours, off by default: each decode step also attends one summary row per stored block the rows leave out,
+    # the block's mean key and mean value with a logit bias of log(block_size) (exp of the mean logit times the
+    # count: Jensen's lower bound of the block's attention mass), merged with the rows' attention by
+    # log-sum-exp. With an exact prefill, decoding over the rows alone still changes digits of copied needles
+    # (Qwen2.5-Coder-0.5B at 32K, benchmarks/ltri_decode_study.py): the rows hold every needle but not the
+    # attention mass the rest of the document takes. Costs one device row per stored block and layer
+    # (documents up to ~32K tokens); refused past the model's context (the summaries have no positions there).
+    decode_summaries: bool = False
     # RoPE positions (engines/validation.py POSITIONS): "auto" re-assigns them within the device rows for
     # documents longer than the model's context (InfLLM), "cache" always, "document" never.
     positions: str = "auto"
@@ -90,8 +98,8 @@ class LtriConfig:
                 and all(type(i) is int and i >= 0 for i in layers), "compensate_layers", layers,
                 "null, first or a list of layer indices (integers >= 0)")
         require_positions(self.positions)
-        require(isinstance(self.compensate_question, bool), "compensate_question", self.compensate_question,
-                "true or false")
+        for name in ("compensate_question", "decode_summaries"):
+            require(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
 
     def vectors_per_block(self) -> int:
         """The most index vectors a stored block gets."""

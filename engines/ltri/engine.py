@@ -133,6 +133,9 @@ class LtriEngine(Engine):
         if reassigned and engine_config.compensate != "none":
             raise EngineInputError("ltri-stream: compensate attends stored blocks at their document positions; "
                                    "set compensate: none for documents past the model's context")
+        if reassigned and engine_config.decode_summaries:
+            raise EngineInputError("ltri-stream: decode_summaries attends stored blocks' mean keys at their document "
+                                   "positions; set decode_summaries: false for documents past the model's context")
 
     def prefill(self, ids, *, reserve, progress=None) -> DocumentState:
         self.check(self.model.config, self.config, self.run, ids.numel(), reserve)
@@ -221,7 +224,12 @@ class LtriEngine(Engine):
         if reassigns(cfg.positions, n_tokens, context_limit(model_config)):
             per_row += kv_token_bytes(model_config, dtype_bytes) // 2  # the rotated keys decode reads (`attended`)
         rows = sum(LtriLayer.rows_for(**spec) for spec in layer_specs(model_config, cfg, _room(chunk_size, reserve)))
-        return rows * per_row + index_plan_bytes(model_config, cfg, n_tokens, dtype_bytes)
+        summaries = 0
+        if cfg.decode_summaries:  # a K and a V row per stored block, and its mask byte per KV head
+            heads = model_config.get_text_config(decoder=True).num_key_value_heads
+            per_block = kv_token_bytes(model_config, dtype_bytes) + heads
+            summaries = len(full_layers(model_config)) * context_blocks(n_tokens, cfg.n_init, cfg.block_size) * per_block
+        return rows * per_row + index_plan_bytes(model_config, cfg, n_tokens, dtype_bytes) + summaries
 
     @classmethod
     def largest_position(cls, model_config, engine_config, n_tokens: int, *, chunk_size: int, reserve: int) -> int:
@@ -264,4 +272,8 @@ class LtriEngine(Engine):
     def counters(self, state: DocumentState) -> dict:
         out = super().counters(state)
         out.update(self.indexer.counters(state.cache))
+        if self.config.decode_summaries:
+            rows = [layer.summary_rows() for layer in state.cache.layers if layer.retrieve and layer.is_initialized]
+            out["decode_summary_rows"] = (f"{max(rows, default=0)} per layer (a mean key and value per stored block "
+                                          f"the rows leave out, weighted by {self.config.block_size})")
         return out

@@ -116,6 +116,7 @@ class Indexer:
         start = layer.local_start
         keys, values, votes = layer.take_oldest(n * layer.block)
         cache.stats["device_to_host_bytes"] += layer.memory.add(keys, values)
+        layer.summarize(first, keys, values)
         keys = layer.as_attended(keys, start)  # index vectors are matched against the chunk's queries
         if self.cfg.index == "dynamic" and self.cfg.pick == "cover":
             # Picked at the next flush, with every other layer's evicted blocks: the farthest-point steps are

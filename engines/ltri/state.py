@@ -109,6 +109,10 @@ def export(cache: LtriCache) -> tuple[dict, dict]:
                 tensors[f"host.layers.{i}.memory.{name}"] = tensor
             for name in _INDEX:
                 tensors[f"layers.{i}.index.{name}"] = getattr(layer.index, name).used
+            if layer.summary_keys is not None:
+                n = layer.memory.n_blocks
+                tensors[f"layers.{i}.summary_keys"] = layer.summary_keys[:, :, :n].clone()
+                tensors[f"layers.{i}.summary_values"] = layer.summary_values[:, :, :n].clone()
         pending = {str(b): [[s.start, s.end, s.score, s.confidence] for s in spans]
                    for b, spans in layer.pending.items()}
         layers.append({**_scalars(layer), "pending": pending})
@@ -139,6 +143,10 @@ def load(cache: LtriCache, tensors: dict, meta: dict, device_of) -> None:
                 store = getattr(layer.index, name)
                 store.n = 0
                 store.append(tensors[f"layers.{i}.index.{name}"].to(store.device))
+            if layer.summary_keys is not None:
+                for name in ("summary_keys", "summary_values"):
+                    saved = tensors[f"layers.{i}.{name}"]
+                    getattr(layer, name)[:, :, :saved.shape[2]] = saved
         _set_scalars(layer, values)
         layer.pending = {int(b): [Span(int(a), int(e), float(s), float(c)) for a, e, s, c in spans]
                          for b, spans in values["pending"].items()}
