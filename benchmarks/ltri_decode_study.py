@@ -4,8 +4,9 @@ ltri-stream-4k's prefill is exact (every retrieving layer compensated) and its d
 first n_init tokens, the top_k blocks the question retrieved and the last n_local tokens. This study isolates
 that decoding from the engine: the document is prefilled densely once (transformers' own cache; its K/V can be
 kept on disk with --kv-dir for reruns), the question is read densely once to measure how much of its attention
-each stored block takes in each layer, and the question and answer are then decoded again over the rows that
-each variant keeps:
+each stored block takes in each layer, and the question and answer are then read again: the question over every
+key (`--question exact`, as ltri-stream-4k's compensated question chunk; `rows`: over the rows) and each decoded
+token over the rows that each variant keeps:
 
 - dense: every key (must give the dense answer);
 - oracle: each layer's top_k blocks by the question's attention mass (a retrieval better than any index);
@@ -93,10 +94,14 @@ def prefill(model, doc: torch.Tensor, chunk: int) -> DynamicCache:
     return cache
 
 
-def greedy(model, cache, tail: torch.Tensor, budget: int, text: AnswerText) -> str:
+def greedy(model, cache, tail: torch.Tensor, budget: int, text: AnswerText, question: str) -> str:
+    """The answer: the question read over all keys (question "exact", as ltri-stream-4k's compensated question
+    chunk) or over the rows (question "rows"), then every decoded token over the rows."""
     ids = tail[None]
+    Rows.mode = "dense" if question == "exact" else "rows"
     for _ in range(budget):
         logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        Rows.mode = "rows"
         token = int(logits[0, -1].argmax())
         text.feed(token)
         if text.done:
@@ -144,6 +149,9 @@ def main() -> None:
     sample_arguments(parser, profile="ltri-stream-4k", task="niah_multivalue", length=32768, samples=20,
                      chunk_size=1024)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--question", choices=("exact", "rows"), default="exact",
+                        help="the question's own attention: over all keys (ltri-stream-4k compensates the question's "
+                             "chunk) or over the rows")
     parser.add_argument("--kv-dir", type=Path, help="keep each sample's dense prefill here and reuse it")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -190,9 +198,8 @@ def main() -> None:
                    "variants": {}}
             for variant in variants:
                 chosen = set_rows(variant, cache, needles, doc.numel(), cfg)
-                Rows.mode = "rows"
-                answer = greedy(lm.model, cache, tail, budget, AnswerText(lm.tokenizer, builder.stop_strings,
-                                                                          builder.stop_ids))
+                answer = greedy(lm.model, cache, tail, budget,
+                                AnswerText(lm.tokenizer, builder.stop_strings, builder.stop_ids), args.question)
                 cache.crop(doc.numel() - cache.get_seq_length())
                 stored = [b for b in needles if b < n_stored]  # the others sit in the window
                 covering = sum(all(b in got for b in stored) for got in chosen.values())
