@@ -77,7 +77,8 @@ class LtriLayer(OwnedRowsLayer):
             self.index = IndexMemory(heads, dim, self.dtype, self.device, blocks * self.max_vectors)
             if self.summaries:
                 # LtriConfig.decode_summaries: per stored block its mean key and value, a row each, [1, Hkv, n, D]
-                # for the whole document, and which of them a decode step attends (set by begin_decode).
+                # for the whole document, and which of them a decode step attends and how many rows it reads (set
+                # by begin_decode).
                 self.summary_keys = torch.zeros(batch, heads, blocks, dim, dtype=self.dtype, device=self.device)
                 self.summary_values = torch.zeros(batch, heads, blocks, value_states.shape[-1], dtype=self.dtype,
                                                   device=self.device)
@@ -153,10 +154,13 @@ class LtriLayer(OwnedRowsLayer):
                                                            below=self.rows))
         if self.summary_mask is not None:
             # Every stored block but those the retrieval slots hold: the decoded tokens keep this retrieval.
+            # A step reads the stored blocks' rows only, not the whole document's capacity.
+            n = self.memory.n_blocks
             attend = torch.zeros(self.summary_mask.shape[-1], dtype=torch.bool)
-            attend[:self.memory.n_blocks] = True
-            attend[[b for b in self.slots if 0 <= b < self.memory.n_blocks]] = False
+            attend[:n] = True
+            attend[[b for b in self.slots if 0 <= b < n]] = False
             self.summary_mask.copy_(attend.expand_as(self.summary_mask))
+            self.summary_length.fill_(n)
 
     def summarize(self, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Stored blocks first, first + 1, ... (keys, values [Hkv, n * block, D] as written to context memory):
