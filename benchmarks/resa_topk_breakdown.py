@@ -1,0 +1,140 @@
+"""Where resa's block selection spends its time in one decode step, per layer: the bound kernel, the softmax pool
+and the top-k, and the top-k's stages (load, key range, binary search, output), each timed by switching the others
+off in a copy of the shipped top-k program, plus warps per program. Random keys with a shared direction per
+512-token span (so block scores spread), the Llama-3.1-8B and Qwen3-1.7B attention shapes, 128K and 256K tokens,
+the shipped rule (softmax pooling + centroid, 10%, floor 1,024 blocks). Checks that the copy selects what the
+shipped kernel selects, and the shipped kernel what the reference selects. Speed only.
+
+    python benchmarks/resa_topk_breakdown.py          # writes $OUT/topk_diag.json (or ./topk_diag.json)
+"""
+import json, os, sys
+from pathlib import Path
+import torch, triton, triton.language as tl
+from triton.testing import do_bench_cudagraph
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels.block_select.triton as sel
+from kernels.block_select.triton_topk import _resident_keys, _key_range, _head_and_k
+from kernels.block_descriptors import update_block_descriptors
+from kernels.block_select import KeepRule
+from kernels.block_select.reference import select_blocks as ref_select
+
+
+@triton.jit
+def _topk_variant(Scores, Length, Out, Steps, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
+                  BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr,
+                  SEARCH: tl.constexpr, OUTPUT: tl.constexpr, RANGE: tl.constexpr):
+    pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
+    row = Scores + pid_bh * n_blocks_cap
+    offs_a = tl.arange(0, NB_MAIN)
+    offs_b = NB_MAIN + tl.arange(0, NB_REST)
+    in_a = offs_a < n_blocks
+    in_b = offs_b < n_blocks
+    key_a = _resident_keys(row, offs_a, in_a)
+    key_b = _resident_keys(row, offs_b, in_b)
+    if RANGE:
+        low_a, high_a, n_inf_a = _key_range(key_a, in_a)
+        low_b, high_b, n_inf_b = _key_range(key_b, in_b)
+        lo = tl.minimum(low_a, low_b).to(tl.int64)
+        top = tl.maximum(tl.maximum(high_a, high_b).to(tl.int64), lo) + 1
+        hi = tl.where(n_inf_a + n_inf_b < k, top, 2147483648)
+    else:
+        lo = tl.full([], -2147483648, tl.int64)
+        hi = tl.full([], 2147483648, tl.int64)
+    count = tl.full([], -1, tl.int32)
+    steps = tl.zeros([], dtype=tl.int32)
+    if SEARCH:
+        while (hi - lo > 1) & (count != k):
+            mid = (lo + hi) >> 1
+            m32 = mid.to(tl.int32)
+            count = tl.sum(((key_a >= m32) & in_a).to(tl.int32), 0) + tl.sum(((key_b >= m32) & in_b).to(tl.int32), 0)
+            enough = count >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
+            steps += 1
+    tl.store(Steps + pid_bh, steps)
+    thr = lo.to(tl.int32)
+    if OUTPUT:
+        gt_a, eq_a = (key_a > thr) & in_a, (key_a == thr) & in_a
+        gt_b, eq_b = (key_b > thr) & in_b, (key_b == thr) & in_b
+        ties = k - tl.sum(gt_a.to(tl.int32), 0) - tl.sum(gt_b.to(tl.int32), 0)
+        take_a = gt_a | (eq_a & (tl.cumsum(eq_a.to(tl.int32), 0) <= ties))
+        take_b = gt_b | (eq_b & (tl.sum(eq_a.to(tl.int32), 0) + tl.cumsum(eq_b.to(tl.int32), 0) <= ties))
+        out_row = Out + pid_bh * width
+        tl.store(out_row + tl.cumsum(take_a.to(tl.int32), 0) - 1, offs_a.to(tl.int32), mask=take_a)
+        first_b = tl.sum(take_a.to(tl.int32), 0)
+        tl.store(out_row + first_b + tl.cumsum(take_b.to(tl.int32), 0) - 1, offs_b.to(tl.int32), mask=take_b)
+        offs_w = tl.arange(0, W_PAD)
+        tl.store(out_row + offs_w, tl.full([W_PAD], -1, tl.int32), mask=(offs_w >= k) & (offs_w < width))
+    else:
+        tl.store(Out + pid_bh * width, thr)
+
+
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen3-1.7b": (16, 8, 128)}
+rule = KeepRule(keep_ratio=0.1, min_blocks=1024, local_blocks=1, sink_blocks=1, pooling="softmax", centroid=True)
+rows = []
+for shape, (Hq, Hkv, D) in SHAPES.items():
+    for length in (131072, 262144):
+        torch.manual_seed(0)
+        opts = dict(device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(1, Hq, D, **opts)
+        k = torch.randn(1, Hkv, length, D, **opts)
+        # Real keys are not iid: give each 512-token span a shared direction so block scores spread.
+        k += 2 * torch.randn(1, Hkv, length // 512, 1, D, **opts).expand(-1, -1, -1, 512, -1).reshape(1, Hkv, length, D)
+        NB = length // 16
+        kmax, kmin, kmean = (torch.empty(1, Hkv, NB, D, **opts) for _ in range(3))
+        n = torch.tensor([length], device="cuda")
+        update_block_descriptors(k, kmax, kmin, n, length, 16, kmean)
+        width = rule.keep(NB)
+        args = dict(block_size=16, rule=rule, width=width, scale=D ** -0.5, kmean=kmean)
+        full = lambda: sel.select_blocks_triton(q, kmax, kmin, n, **args)
+        got = full()
+        ref = ref_select(q.float(), kmax.float(), kmin.float(), n, **{**args, "kmean": kmean.float()})
+        agree = (got == ref).float().mean().item()
+        # the parts
+        group = Hq // Hkv
+        tile = min(128, sel._DOT_ELEMENTS // D)
+        n_tiles = triton.cdiv(NB, tile)
+        scores = torch.empty(1, Hkv, NB, device="cuda", dtype=torch.float32)
+        bounds = torch.empty(1, Hkv, group, NB, device="cuda", dtype=torch.float32)
+        tmax = torch.empty(1, Hkv, group, n_tiles, device="cuda", dtype=torch.float32)
+        tsum = torch.empty_like(tmax)
+        num, den = rule.ratio
+        def b_():
+            sel._head_bounds_kernel[(Hkv, n_tiles)](q, kmax, kmin, kmean, n, bounds, tmax, tsum, Hkv, NB, n_tiles, 1, 1,
+                D ** -0.5 * sel._LOG2E, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2),
+                GROUP=group, G_DOT=16, HEAD_DIM=D, BLOCK=16, TILE=tile, CENTROID=True, IEEE=False, num_warps=4)
+        def p_():
+            sel._softmax_pool_kernel[(Hkv, n_tiles)](bounds, tmax, tsum, n, scores, Hkv, NB, n_tiles, 1, 1, GROUP=group,
+                BLOCK=16, TILE=tile, NT_PAD=max(16, triton.next_power_of_2(n_tiles)), num_warps=4)
+        b_(); p_()
+        out = torch.empty(1, Hkv, width, device="cuda", dtype=torch.int32)
+        steps = torch.zeros(Hkv, device="cuda", dtype=torch.int32)
+        main = max(16, 1 << (NB.bit_length() - 1)); rest = max(16, triton.next_power_of_2(max(1, NB - main)))
+        def t_(search=True, output=True, rng=True, warps=None):
+            _topk_variant[(Hkv,)](scores, n, out, steps, NB, width, num, den, rule.min_blocks, Hkv, BLOCK=16,
+                NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)),
+                SEARCH=search, OUTPUT=output, RANGE=rng,
+                num_warps=warps or min(16, max(4, triton.next_power_of_2((main + rest) // 1024))))
+        t_()
+        same_topk = torch.equal(out, got)
+        n_steps = steps.tolist()
+        ms = {}
+        with torch.cuda.stream(torch.cuda.Stream()):
+            ms["select_full"] = do_bench_cudagraph(full, rep=100, return_mode="median")
+            ms["bounds"] = do_bench_cudagraph(b_, rep=100, return_mode="median")
+            ms["pool"] = do_bench_cudagraph(p_, rep=100, return_mode="median")
+            ms["topk"] = do_bench_cudagraph(t_, rep=100, return_mode="median")
+            ms["topk_nosearch"] = do_bench_cudagraph(lambda: t_(search=False), rep=100, return_mode="median")
+            ms["topk_nooutput"] = do_bench_cudagraph(lambda: t_(output=False), rep=100, return_mode="median")
+            ms["topk_norange"] = do_bench_cudagraph(lambda: t_(rng=False), rep=100, return_mode="median")
+            ms["topk_load_only"] = do_bench_cudagraph(lambda: t_(search=False, output=False, rng=False), rep=100, return_mode="median")
+            for w in (4, 8, 16, 32):
+                ms[f"topk_w{w}"] = do_bench_cudagraph(lambda: t_(warps=w), rep=100, return_mode="median")
+            ms["empty_graph_kernel"] = do_bench_cudagraph(lambda: steps.add_(0), rep=100, return_mode="median")
+        row = dict(shape=shape, length=length, n_blocks=NB, width=width, steps=n_steps, agree_with_reference=agree,
+                   variant_equals_shipped=same_topk, us={k2: round(v * 1000, 2) for k2, v in ms.items()})
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+out_dir = os.environ.get("OUT", ".")
+Path(out_dir, "topk_diag.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    "triton": triton.__version__, "rows": rows}, indent=1))
