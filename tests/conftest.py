@@ -4,6 +4,9 @@ Device tests carry a marker and skip cleanly where they cannot run:
 - `@pytest.mark.gpu`: needs CUDA;
 - `@pytest.mark.triton`: a Triton kernel against its reference, on CUDA, or on CPU through Triton's interpreter
   (TRITON_INTERPRET=1 with Triton installed); tensors go to TRITON_DEVICE. Also selected by `-m gpu`.
+- `@pytest.mark.long`: a real-model test of a minute or more on two CPU cores, or a further variant of a mechanism
+  a default test already covers on the real model; it runs with LONGCTX_LONG_TESTS=1 (or `-m long`), so the
+  default run stays within the CI budget.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from longctx_cli.models import load_model
 
 CUDA = torch.cuda.is_available()
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+LONG = os.environ.get("LONGCTX_LONG_TESTS") == "1"
 TRITON_DEVICE = "cuda" if CUDA else "cpu"
 
 
@@ -28,7 +32,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    run_long = LONG or "long" in (config.getoption("markexpr") or "")
     for item in items:
+        if "long" in item.keywords and not run_long:
+            item.add_marker(pytest.mark.skip(reason="a long test: LONGCTX_LONG_TESTS=1 runs it"))
         if "triton" in item.keywords:
             item.add_marker(pytest.mark.gpu)
             if not (CUDA or INTERPRETER):

@@ -42,13 +42,19 @@ def test_greedy_equals_generate(lm, story_text):
     assert state.cache.capacity == ids.numel() + question.numel() + 24
 
 
-@pytest.mark.parametrize("chunk", [97, 256, 1000, 4096], ids=lambda c: f"chunk{c}")
-def test_chunked_prefill_matches_one_shot(lm, story_text, chunk):
-    """Chunk sizes that do and do not divide the length give the one-shot last-token logits (fp32, 1e-4)."""
+@pytest.fixture(scope="module")
+def one_shot(lm, story_text):
+    """1,500 tokens of the story and transformers' one-shot last-token logits for them."""
     ids = _document_ids(lm, story_text, 1500)
     lm.model.set_attn_implementation("sdpa")
     with torch.inference_mode():
-        ref = lm.model(ids.view(1, -1)).logits[0, -1].float()
+        return ids, lm.model(ids.view(1, -1)).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("chunk", [97, 256, 1000, 4096], ids=lambda c: f"chunk{c}")
+def test_chunked_prefill_matches_one_shot(lm, one_shot, chunk):
+    """Chunk sizes that do and do not divide the length give the one-shot last-token logits (fp32, 1e-4)."""
+    ids, ref = one_shot
     state = _engine(lm, chunk_size=chunk).prefill(ids, reserve=1)
     got = state.last_logits[0]
     assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
@@ -82,6 +88,7 @@ def test_sampling_is_seeded(lm, story_text):
     assert seeded[0] != run(Sampler())
 
 
+@pytest.mark.long
 def test_converted_cache_reloads_without_converting_and_gives_identical_logits(lm, monkeypatch, tmp_path):
     """A second load reads the safetensors cache (no GGUF conversion) and gives exactly the logits of the GGUF
     as transformers itself loads it (assembled here from the packages: the product keeps only the conversion)."""

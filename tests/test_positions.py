@@ -182,6 +182,7 @@ def test_plan_states_the_largest_position(capsys, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_embedded_model_past_its_own_context(lm):
     """33K tokens, past the embedded model's own 32K context (about a minute on two cores): ltri-stream finds the
     needle on re-assigned positions, where the document's own positions (past the context) lose it."""

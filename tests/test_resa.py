@@ -14,7 +14,7 @@ from tests.conftest import greedy_answer, make_engine, story_ids
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("centroid", [False, True], ids=["bound", "centroid"])
+@pytest.mark.parametrize("centroid", [pytest.param(False, marks=pytest.mark.long), True], ids=["bound", "centroid"])
 def test_keep_ratio_one_equals_dense_token_for_token(lm, story_text, centroid):
     """Every block kept: the sparse path (select, sparse kernel, rectification) must reproduce dense exactly."""
     doc, question = story_ids(lm, story_text, 1500)

@@ -200,12 +200,27 @@ SPLIT_RUNS = [("dense", {}), ("resa", {"keep_ratio": 0.2, "min_blocks": 4, "rect
               ("star", {"min_block_size": 128})]
 
 
+@pytest.fixture(scope="module")
+def unsplit_answer(lm, story_text):
+    """(document, question, the unsplit model's greedy answer) per engine and settings, computed once for the
+    tests below."""
+    doc, question = story_ids(lm, story_text, 700)
+    answers = {}
+
+    def answer(profile, settings):
+        key = (profile, tuple(sorted(settings.items())))
+        if key not in answers:
+            answers[key] = greedy_answer(make_engine(lm, profile, chunk_size=256, **settings), doc, question, 8)[0]
+        return doc, question, answers[key]
+
+    return answer
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("profile, settings", SPLIT_RUNS, ids=lambda x: x if isinstance(x, str) else
                          ",".join(f"{k}={v}" for k, v in x.items()) or "defaults")
-def test_split_model_answers_as_the_unsplit_one(lm, split_lm, story_text, profile, settings):
-    doc, question = story_ids(lm, story_text, 700)
-    want, _ = greedy_answer(make_engine(lm, profile, chunk_size=256, **settings), doc, question, 8)
+def test_split_model_answers_as_the_unsplit_one(lm, split_lm, unsplit_answer, profile, settings):
+    doc, question, want = unsplit_answer(profile, settings)
     engine = make_engine(split_lm, profile, chunk_size=256, **settings)
     got, state = greedy_answer(engine, doc, question, 8)
     assert got == want
@@ -266,13 +281,12 @@ class _Replayed:
 @pytest.mark.slow
 @pytest.mark.parametrize("profile, settings", SPLIT_RUNS, ids=lambda x: x if isinstance(x, str) else
                          ",".join(f"{k}={v}" for k, v in x.items()) or "defaults")
-def test_per_device_graphs_answer_as_the_eager_step(lm, split_lm, story_text, profile, settings, monkeypatch):
+def test_per_device_graphs_answer_as_the_eager_step(split_lm, unsplit_answer, profile, settings, monkeypatch):
     """The decode step as it runs on a model split over GPUs (engines/segments.py): layers 0-8 and 9-17 as two
     segments, each replayed from its own captured function, with fused projections swapped in for the capture."""
     from engines.segments import SegmentedRun
 
-    doc, question = story_ids(lm, story_text, 700)
-    want, _ = greedy_answer(make_engine(lm, profile, chunk_size=256, **settings), doc, question, 8)
+    doc, question, want = unsplit_answer(profile, settings)
     engine = make_engine(split_lm, profile, chunk_size=256, **settings)
     cpu = [torch.device("cpu")] * 18
     monkeypatch.setattr(engine, "_segmented_run", lambda: SegmentedRun(engine.model, cpu, _Replayed,

@@ -127,6 +127,7 @@ def test_ranks_over_gloo_answer_like_one_process(capsys, monkeypatch):
     assert sum(r["context_tokens"] for r in per_rank) == one["counters"]["star_per_rank"][0]["context_tokens"]
 
 
+@pytest.mark.long
 def test_ranks_save_and_reuse_their_own_shards(tmp_path):
     """Two gloo ranks answer two questions from one read, each saves its own shard; a later run reuses both
     shards, and when one rank's shard is damaged, both ranks read the document again (they agree first)."""
@@ -158,6 +159,7 @@ def test_ranks_save_and_reuse_their_own_shards(tmp_path):
     assert third[0]["state"].startswith("computed, saved") and third[0]["answer_ids"] == both[1]["answer_ids"]
 
 
+@pytest.mark.long
 def test_more_ranks_than_blocks_is_one_clear_error():
     proc = _ranked(["ask", str(SAMPLE), "Who?", "--profile", "star", "--set", "blocks=2", "--set", "min_block_size=64",
                     "--device", "cpu",
