@@ -63,7 +63,9 @@ def cache_slots(pattern, n: int) -> int:
     patterns, whose size stops growing, and for those that grow linearly), so that plans stay cheap."""
     if n <= _EXACT_UP_TO:
         return plan_cache(pattern, n).slots
-    a, b = plan_cache(pattern, _EXACT_UP_TO // 2).slots, plan_cache(pattern, _EXACT_UP_TO).slots
+    # The longer first: a pattern too irregular to analyse is refused before the shorter analysis runs.
+    b = plan_cache(pattern, _EXACT_UP_TO).slots
+    a = plan_cache(pattern, _EXACT_UP_TO // 2).slots
     return min(n, b + (b - a) * (n - _EXACT_UP_TO) // (_EXACT_UP_TO // 2))
 
 
