@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
+
 _CONVERTER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
@@ -36,3 +38,26 @@ def test_two_processes_starting_together_convert_once(tmp_path: Path):
     assert (out / "longctx.json").exists()
     # The later process either waited on the lock (and said so) or started after the conversion was done.
     assert sum("waiting for another longctx process" in s for s in said) <= 1
+
+
+def test_a_conversion_parses_the_gguf_once(tmp_path):
+    """Inside a conversion every reader of one GGUF file is the same parse (transformers opens it for the config,
+    the weights and the tokenizer); outside, readers are the library's own again."""
+    import gguf
+
+    from longctx_cli.gguf_convert import _one_parse
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.block_count", 1)
+    writer.add_tensor("t", np.arange(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    original = gguf.GGUFReader
+    with _one_parse():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first
+        assert first.fields["llama.block_count"].contents() == 1
+    assert gguf.GGUFReader is original and gguf.GGUFReader(path) is not first
