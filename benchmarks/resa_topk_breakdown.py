@@ -13,7 +13,8 @@ import torch, triton, triton.language as tl
 from triton.testing import do_bench_cudagraph
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels.block_select.triton as sel
-from kernels.block_select.triton_topk import _resident_keys, _key_range, _head_and_k
+from kernels.block_select.triton_topk import (_head_and_k, _resident_bracket, _resident_keys,
+                                              _resident_search, _resident_store)
 from kernels.block_descriptors import update_block_descriptors
 from kernels.block_select import KeepRule
 from kernels.block_select.reference import select_blocks as ref_select
@@ -23,6 +24,7 @@ from kernels.block_select.reference import select_blocks as ref_select
 def _topk_variant(Scores, Length, Out, Steps, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
                   BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr,
                   SEARCH: tl.constexpr, OUTPUT: tl.constexpr, RANGE: tl.constexpr):
+    """The shipped resident top-k (kernels/block_select/triton_topk.py) from its own parts, each switchable."""
     pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
     row = Scores + pid_bh * n_blocks_cap
     offs_a = tl.arange(0, NB_MAIN)
@@ -32,39 +34,17 @@ def _topk_variant(Scores, Length, Out, Steps, n_blocks_cap, width, ratio_num, ra
     key_a = _resident_keys(row, offs_a, in_a)
     key_b = _resident_keys(row, offs_b, in_b)
     if RANGE:
-        low_a, high_a, n_inf_a = _key_range(key_a, in_a)
-        low_b, high_b, n_inf_b = _key_range(key_b, in_b)
-        lo = tl.minimum(low_a, low_b).to(tl.int64)
-        top = tl.maximum(tl.maximum(high_a, high_b).to(tl.int64), lo) + 1
-        hi = tl.where(n_inf_a + n_inf_b < k, top, 2147483648)
+        lo, hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
     else:
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483648, tl.int64)
-    count = tl.full([], -1, tl.int32)
-    steps = tl.zeros([], dtype=tl.int32)
     if SEARCH:
-        while (hi - lo > 1) & (count != k):
-            mid = (lo + hi) >> 1
-            m32 = mid.to(tl.int32)
-            count = tl.sum(((key_a >= m32) & in_a).to(tl.int32), 0) + tl.sum(((key_b >= m32) & in_b).to(tl.int32), 0)
-            enough = count >= k
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid)
-            steps += 1
+        thr, steps = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi)
+    else:
+        thr, steps = lo.to(tl.int32), tl.zeros([], dtype=tl.int32)
     tl.store(Steps + pid_bh, steps)
-    thr = lo.to(tl.int32)
     if OUTPUT:
-        gt_a, eq_a = (key_a > thr) & in_a, (key_a == thr) & in_a
-        gt_b, eq_b = (key_b > thr) & in_b, (key_b == thr) & in_b
-        ties = k - tl.sum(gt_a.to(tl.int32), 0) - tl.sum(gt_b.to(tl.int32), 0)
-        take_a = gt_a | (eq_a & (tl.cumsum(eq_a.to(tl.int32), 0) <= ties))
-        take_b = gt_b | (eq_b & (tl.sum(eq_a.to(tl.int32), 0) + tl.cumsum(eq_b.to(tl.int32), 0) <= ties))
-        out_row = Out + pid_bh * width
-        tl.store(out_row + tl.cumsum(take_a.to(tl.int32), 0) - 1, offs_a.to(tl.int32), mask=take_a)
-        first_b = tl.sum(take_a.to(tl.int32), 0)
-        tl.store(out_row + first_b + tl.cumsum(take_b.to(tl.int32), 0) - 1, offs_b.to(tl.int32), mask=take_b)
-        offs_w = tl.arange(0, W_PAD)
-        tl.store(out_row + offs_w, tl.full([W_PAD], -1, tl.int32), mask=(offs_w >= k) & (offs_w < width))
+        _resident_store(Out + pid_bh * width, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, k, width, W_PAD)
     else:
         tl.store(Out + pid_bh * width, thr)
 

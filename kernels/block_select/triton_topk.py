@@ -101,6 +101,50 @@ def _key_range(key, inside):
 
 
 @triton.jit
+def _resident_bracket(key_a, in_a, key_b, in_b, k):
+    """Bracket the search by the keys present (+inf marks the blocks always kept): lo = the smallest key, hi = one
+    past the largest finite key unless k blocks reach it."""
+    low_a, high_a, n_inf_a = _key_range(key_a, in_a)
+    low_b, high_b, n_inf_b = _key_range(key_b, in_b)
+    lo = tl.minimum(low_a, low_b).to(tl.int64)
+    top = tl.maximum(tl.maximum(high_a, high_b).to(tl.int64), lo) + 1
+    return lo, tl.where(n_inf_a + n_inf_b < k, top, 2147483648)
+
+
+@triton.jit
+def _resident_search(key_a, in_a, key_b, in_b, k, lo, hi):
+    """(threshold, steps): halves [lo, hi) and stops as soon as exactly k blocks score >= mid (mid is then as good
+    a threshold as the k-th key: the output takes every tie of it)."""
+    count = tl.full([], -1, tl.int32)
+    steps = tl.zeros([], dtype=tl.int32)
+    while (hi - lo > 1) & (count != k):
+        mid = (lo + hi) >> 1
+        m32 = mid.to(tl.int32)
+        count = tl.sum(((key_a >= m32) & in_a).to(tl.int32), 0) + tl.sum(((key_b >= m32) & in_b).to(tl.int32), 0)
+        enough = count >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+        steps += 1
+    return lo.to(tl.int32), steps
+
+
+@triton.jit
+def _resident_store(out_row, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, k, width, W_PAD: tl.constexpr):
+    """The blocks scoring above thr, then as many of its ties as k needs (lowest index first), in ascending
+    order; -1 up to width."""
+    gt_a, eq_a = (key_a > thr) & in_a, (key_a == thr) & in_a
+    gt_b, eq_b = (key_b > thr) & in_b, (key_b == thr) & in_b
+    ties = k - tl.sum(gt_a.to(tl.int32), 0) - tl.sum(gt_b.to(tl.int32), 0)
+    take_a = gt_a | (eq_a & (tl.cumsum(eq_a.to(tl.int32), 0) <= ties))
+    take_b = gt_b | (eq_b & (tl.sum(eq_a.to(tl.int32), 0) + tl.cumsum(eq_b.to(tl.int32), 0) <= ties))
+    tl.store(out_row + tl.cumsum(take_a.to(tl.int32), 0) - 1, offs_a.to(tl.int32), mask=take_a)
+    first_b = tl.sum(take_a.to(tl.int32), 0)
+    tl.store(out_row + first_b + tl.cumsum(take_b.to(tl.int32), 0) - 1, offs_b.to(tl.int32), mask=take_b)
+    offs_w = tl.arange(0, W_PAD)
+    tl.store(out_row + offs_w, tl.full([W_PAD], -1, tl.int32), mask=(offs_w >= k) & (offs_w < width))
+
+
+@triton.jit
 def _block_topk_resident_kernel(
     Scores, Length, Out, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
     BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr,
@@ -115,31 +159,6 @@ def _block_topk_resident_kernel(
     in_b = offs_b < n_blocks
     key_a = _resident_keys(row, offs_a, in_a)
     key_b = _resident_keys(row, offs_b, in_b)
-    # Bracket the search by the keys present (+inf marks the blocks always kept): lo = the smallest key, hi =
-    # one past the largest finite key unless k blocks reach it. The search stops as soon as exactly k blocks
-    # score >= mid (mid is then as good a threshold as the k-th key: the output below takes every tie of it).
-    low_a, high_a, n_inf_a = _key_range(key_a, in_a)
-    low_b, high_b, n_inf_b = _key_range(key_b, in_b)
-    lo = tl.minimum(low_a, low_b).to(tl.int64)
-    top = tl.maximum(tl.maximum(high_a, high_b).to(tl.int64), lo) + 1
-    hi = tl.where(n_inf_a + n_inf_b < k, top, 2147483648)
-    count = tl.full([], -1, tl.int32)
-    while (hi - lo > 1) & (count != k):
-        mid = (lo + hi) >> 1
-        m32 = mid.to(tl.int32)
-        count = tl.sum(((key_a >= m32) & in_a).to(tl.int32), 0) + tl.sum(((key_b >= m32) & in_b).to(tl.int32), 0)
-        enough = count >= k
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid)
-    thr = lo.to(tl.int32)
-    gt_a, eq_a = (key_a > thr) & in_a, (key_a == thr) & in_a
-    gt_b, eq_b = (key_b > thr) & in_b, (key_b == thr) & in_b
-    ties = k - tl.sum(gt_a.to(tl.int32), 0) - tl.sum(gt_b.to(tl.int32), 0)
-    take_a = gt_a | (eq_a & (tl.cumsum(eq_a.to(tl.int32), 0) <= ties))
-    take_b = gt_b | (eq_b & (tl.sum(eq_a.to(tl.int32), 0) + tl.cumsum(eq_b.to(tl.int32), 0) <= ties))
-    out_row = Out + pid_bh * width
-    tl.store(out_row + tl.cumsum(take_a.to(tl.int32), 0) - 1, offs_a.to(tl.int32), mask=take_a)
-    first_b = tl.sum(take_a.to(tl.int32), 0)
-    tl.store(out_row + first_b + tl.cumsum(take_b.to(tl.int32), 0) - 1, offs_b.to(tl.int32), mask=take_b)
-    offs_w = tl.arange(0, W_PAD)
-    tl.store(out_row + offs_w, tl.full([W_PAD], -1, tl.int32), mask=(offs_w >= k) & (offs_w < width))
+    lo, hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
+    thr, _ = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi)
+    _resident_store(Out + pid_bh * width, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, k, width, W_PAD)
