@@ -13,8 +13,7 @@ import torch, triton, triton.language as tl
 from triton.testing import do_bench_cudagraph
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels.block_select.triton as sel
-from kernels.block_select.triton_topk import (_head_and_k, _resident_bracket, _resident_keys,
-                                              _resident_search, _resident_store)
+from kernels.block_select.triton_topk import _resident_bracket, _resident_row, _resident_search, _resident_store
 from kernels.block_descriptors import update_block_descriptors
 from kernels.block_select import KeepRule
 from kernels.block_select.reference import select_blocks as ref_select
@@ -25,14 +24,8 @@ def _topk_variant(Scores, Length, Out, Steps, n_blocks_cap, width, ratio_num, ra
                   BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr,
                   SEARCH: tl.constexpr, OUTPUT: tl.constexpr, RANGE: tl.constexpr):
     """The shipped resident top-k (kernels/block_select/triton_topk.py) from its own parts, each switchable."""
-    pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
-    row = Scores + pid_bh * n_blocks_cap
-    offs_a = tl.arange(0, NB_MAIN)
-    offs_b = NB_MAIN + tl.arange(0, NB_REST)
-    in_a = offs_a < n_blocks
-    in_b = offs_b < n_blocks
-    key_a = _resident_keys(row, offs_a, in_a)
-    key_b = _resident_keys(row, offs_b, in_b)
+    pid_bh, k, offs_a, in_a, key_a, offs_b, in_b, key_b = _resident_row(
+        Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK, NB_MAIN, NB_REST)
     if RANGE:
         lo, hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
     else:

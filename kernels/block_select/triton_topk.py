@@ -101,6 +101,20 @@ def _key_range(key, inside):
 
 
 @triton.jit
+def _resident_row(Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK: tl.constexpr,
+                  NB_MAIN: tl.constexpr, NB_REST: tl.constexpr):
+    """This program's row, k, and its scores' keys in registers as two power-of-two parts (offsets, in-range
+    mask, keys of each)."""
+    pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
+    row = Scores + pid_bh * n_blocks_cap
+    offs_a = tl.arange(0, NB_MAIN)
+    offs_b = NB_MAIN + tl.arange(0, NB_REST)
+    in_a = offs_a < n_blocks
+    in_b = offs_b < n_blocks
+    return pid_bh, k, offs_a, in_a, _resident_keys(row, offs_a, in_a), offs_b, in_b, _resident_keys(row, offs_b, in_b)
+
+
+@triton.jit
 def _resident_bracket(key_a, in_a, key_b, in_b, k):
     """Bracket the search by the keys present (+inf marks the blocks always kept): lo = the smallest key, hi = one
     past the largest finite key unless k blocks reach it."""
@@ -151,14 +165,8 @@ def _block_topk_resident_kernel(
 ):
     """_block_topk_kernel for up to NB_MAIN + NB_REST blocks: the scores are loaded once and searched in
     registers, as two power-of-two parts (16,389 blocks are 16,384 + 16 rather than 32,768)."""
-    pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
-    row = Scores + pid_bh * n_blocks_cap
-    offs_a = tl.arange(0, NB_MAIN)
-    offs_b = NB_MAIN + tl.arange(0, NB_REST)
-    in_a = offs_a < n_blocks
-    in_b = offs_b < n_blocks
-    key_a = _resident_keys(row, offs_a, in_a)
-    key_b = _resident_keys(row, offs_b, in_b)
+    pid_bh, k, offs_a, in_a, key_a, offs_b, in_b, key_b = _resident_row(
+        Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK, NB_MAIN, NB_REST)
     lo, hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
     thr, _ = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi)
     _resident_store(Out + pid_bh * width, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, k, width, W_PAD)
