@@ -276,8 +276,9 @@ def test_retrieval_slots_keep_blocks_already_loaded():
 SMALL = dict(n_init=64, block_size=64, top_k=4, n_local=256, chunk_size=128)  # device budget 704 tokens
 
 
-@pytest.mark.parametrize("context_memory, question_votes", [("model", "earlier"), ("fp8", "all")],
-                         ids=["model-dtype", "fp8-question-read-twice"])
+@pytest.mark.parametrize("context_memory, question_votes", [
+    pytest.param("model", "earlier", id="model-dtype"),
+    pytest.param("fp8", "all", id="fp8-question-read-twice", marks=pytest.mark.long)])
 def test_needle_in_a_document_four_times_the_budget(lm, monkeypatch, context_memory, question_votes):
     """2.8K tokens through 704 device rows per layer: the needle is answered from retrieved blocks, the
     device never holds more than the budget, and every evicted token is in CPU memory (also in fp8).

@@ -145,7 +145,7 @@ def test_a_document_four_times_the_context(lm, short_context, name, depth, setti
 @pytest.mark.parametrize("name, settings", [
     pytest.param("ltri-stream", dict(SMALL_LTRI, top_k=40), id="ltri"),
     pytest.param("sas-pattern", dict(pattern="(Rect(keys=0:32) + Diag(window=1024)) + Dynamic(budget=512)",
-                                     chunk_size=128), id="sas-h2o"),
+                                     chunk_size=128), id="sas-h2o", marks=pytest.mark.long),
 ])
 def test_below_the_context_nothing_changes(lm, story_text, name, settings):
     """auto keeps the document's positions; and re-assigned positions that still equal them (the window has

@@ -74,8 +74,9 @@ def passkey(qwen):
 # Settings that make each engine approximate on a 1.4K-token document, every layer of it.
 ENGINES = [pytest.param("dense", {}, id="dense"),
            pytest.param("resa", {"min_blocks": 16}, id="resa-paper-floor"),
-           pytest.param("star", {"min_block_size": 512}, id="star-blocks-of-512"),
-           pytest.param("sas-pattern", {"pattern": "Rect(keys=0:32) + Diag(window=1024)"}, id="sas-streaming"),
+           pytest.param("star", {"min_block_size": 512}, id="star-blocks-of-512", marks=pytest.mark.long),
+           pytest.param("sas-pattern", {"pattern": "Rect(keys=0:32) + Diag(window=1024)"}, id="sas-streaming",
+                        marks=pytest.mark.long),
            pytest.param("ltri-stream", {"n_init": 64, "n_local": 256, "block_size": 64, "top_k": 4},
                         id="ltri-256-window")]
 
