@@ -32,7 +32,7 @@ def _topk_variant(Scores, Length, Out, Steps, n_blocks_cap, width, ratio_num, ra
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483648, tl.int64)
     if SEARCH:
-        thr, steps = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi)
+        thr, steps = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, True)
     else:
         thr, steps = lo.to(tl.int32), tl.zeros([], dtype=tl.int32)
     tl.store(Steps + pid_bh, steps)

@@ -133,7 +133,7 @@ def states_home():
 
 @pytest.fixture(scope="module")
 def story(tmp_path_factory) -> Path:
-    """The sample story's first ~600 tokens: the command line's questions and states, not the engines'
+    """The sample story's first third (479 tokens): the command line's questions and states, not the engines'
     approximations (above), are what the tests below check."""
     path = tmp_path_factory.mktemp("doc") / "story.txt"
     text = SAMPLE.read_text(encoding="utf-8")

@@ -126,9 +126,10 @@ def _resident_bracket(key_a, in_a, key_b, in_b, k):
 
 
 @triton.jit
-def _resident_search(key_a, in_a, key_b, in_b, k, lo, hi):
+def _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, COUNT: tl.constexpr):
     """(threshold, steps): halves [lo, hi) and stops as soon as exactly k blocks score >= mid (mid is then as good
-    a threshold as the k-th key: the output takes every tie of it)."""
+    a threshold as the k-th key: the output takes every tie of it). Steps are counted only with COUNT (the
+    selection breakdown's); the shipped kernel's loop carries nothing more."""
     count = tl.full([], -1, tl.int32)
     steps = tl.zeros([], dtype=tl.int32)
     while (hi - lo > 1) & (count != k):
@@ -138,7 +139,8 @@ def _resident_search(key_a, in_a, key_b, in_b, k, lo, hi):
         enough = count >= k
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid)
-        steps += 1
+        if COUNT:
+            steps += 1
     return lo.to(tl.int32), steps
 
 
@@ -168,5 +170,5 @@ def _block_topk_resident_kernel(
     pid_bh, k, offs_a, in_a, key_a, offs_b, in_b, key_b = _resident_row(
         Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK, NB_MAIN, NB_REST)
     lo, hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
-    thr, _ = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi)
+    thr, _ = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, False)
     _resident_store(Out + pid_bh * width, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, k, width, W_PAD)
