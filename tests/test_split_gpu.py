@@ -82,11 +82,15 @@ def test_the_70b_shape_runs_over_two_gpus():
         pytest.skip("needs ~75 GiB free on each of two GPUs")
     lm = load_model("random:llama-3.1-70b", device="auto", dtype="bfloat16", gpus_model=2)
     layers = lm.model.get_decoder().layers
-    assert [next(layers[i].parameters()).device.index for i in (0, 39, 40, 79)] == [0, 0, 1, 1]
+    # The cut follows each GPU's free memory (this module's other models sit on the first): one run of layers
+    # per GPU, about half each.
+    on = [next(layer.parameters()).device.index for layer in layers]
+    cut = on.index(1)
+    assert on == [0] * cut + [1] * (80 - cut) and 30 <= cut <= 50, on
     engine = make_engine(lm, "dense", chunk_size=2048)
     ids = torch.randint(1000, 20000, (4096,), generator=torch.Generator().manual_seed(5))
     state = engine.prefill(ids, reserve=40)
     tokens = list(engine.answer(state, ids[:8], 16, Sampler()))
     assert len(tokens) == 16
     assert engine.counters(state)["decode_cuda_graph"] == "one per device (2)"
-    assert _misplaced(state.cache, lambda i: f"cuda:{0 if i < 40 else 1}") == {}
+    assert _misplaced(state.cache, lambda i: f"cuda:{on[i]}") == {}

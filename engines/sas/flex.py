@@ -3,7 +3,8 @@
 Keys are the layer's whole buffer [B, Hkv, rows, D] (static shapes: one compile per chunk length and cache
 size); `key_pos` maps a row to the token it holds, so the mask_mod evaluates the pattern at (query position,
 key position). The block mask is built once per chunk for all layers that share a plan (their rows hold the
-same positions) and skips every tile of rows no query of the tile can see.
+same positions) on each device that holds such layers (a model split over GPUs), and skips every tile of rows
+no query of the tile can see.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from kernels.chunk_attention.flex import compiled_flex
 
 def _block_mask(layer, t: int, offset: int, device: torch.device):
     owner = layer.owner
-    key = (id(layer.plan), offset, t)
+    key = (id(layer.plan), offset, t, device)
     if owner.block_masks.get("chunk") != (offset, t):
         owner.block_masks = {"chunk": (offset, t)}
     if key not in owner.block_masks:

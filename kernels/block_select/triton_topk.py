@@ -151,8 +151,15 @@ def _resident_store(out_row, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, k, w
     gt_a, eq_a = (key_a > thr) & in_a, (key_a == thr) & in_a
     gt_b, eq_b = (key_b > thr) & in_b, (key_b == thr) & in_b
     ties = k - tl.sum(gt_a.to(tl.int32), 0) - tl.sum(gt_b.to(tl.int32), 0)
-    take_a = gt_a | (eq_a & (tl.cumsum(eq_a.to(tl.int32), 0) <= ties))
-    take_b = gt_b | (eq_b & (tl.sum(eq_a.to(tl.int32), 0) + tl.cumsum(eq_b.to(tl.int32), 0) <= ties))
+    n_eq_a = tl.sum(eq_a.to(tl.int32), 0)
+    # Usually every tie is kept (a search that stops early leaves exactly k at or above thr): then no tie needs
+    # its rank, and the only scan left is the output positions'.
+    if n_eq_a + tl.sum(eq_b.to(tl.int32), 0) <= ties:
+        take_a = gt_a | eq_a
+        take_b = gt_b | eq_b
+    else:
+        take_a = gt_a | (eq_a & (tl.cumsum(eq_a.to(tl.int32), 0) <= ties))
+        take_b = gt_b | (eq_b & (n_eq_a + tl.cumsum(eq_b.to(tl.int32), 0) <= ties))
     tl.store(out_row + tl.cumsum(take_a.to(tl.int32), 0) - 1, offs_a.to(tl.int32), mask=take_a)
     first_b = tl.sum(take_a.to(tl.int32), 0)
     tl.store(out_row + first_b + tl.cumsum(take_b.to(tl.int32), 0) - 1, offs_b.to(tl.int32), mask=take_b)
