@@ -371,6 +371,32 @@ def test_retrieval_heads_found_on_the_embedded_model(lm):
     assert lm.model.config._attn_implementation != "eager"  # switched back
 
 
+def test_the_embedded_models_heads_ship_with_the_package(lm):
+    """Found without scoring: the package's file for this model as the tests load it (float32, this transformers);
+    a new transformers version changes the key, and this test says to score the heads again."""
+    from engines.ltri.heads import SHIPPED, heads_key
+
+    assert (SHIPPED / f"{heads_key(lm.model, lm.name)}.json").exists()
+
+
+@pytest.mark.long
+def test_shipped_heads_are_what_scoring_finds(lm):
+    shipped_heads_match_scoring(lm)
+
+
+def shipped_heads_match_scoring(model) -> None:
+    """The package's scores for this model equal a fresh `score_heads` with its defaults."""
+    import json
+
+    from engines.ltri.heads import SHIPPED, heads_key, score_heads
+
+    shipped = json.loads((SHIPPED / f"{heads_key(model.model, model.name)}.json").read_text())["scores"]
+    fresh = score_heads(model.model, model.tokenizer, [int(layer) for layer in shipped])
+    assert sorted(fresh) == sorted(int(layer) for layer in shipped)
+    for layer, scores in fresh.items():
+        assert scores == pytest.approx(shipped[str(layer)], abs=1e-6), layer
+
+
 def test_static_index_mode_runs(lm):
     doc, question = story_ids(lm, "The lamp burned all night. " * 40, 1200)
     engine = make_engine(lm, "ltri-stream", index="static", repr_topk=2, retrieval_heads="none", **SMALL)

@@ -88,10 +88,10 @@ SMALL_LTRI = dict(n_init=64, block_size=64, top_k=4, n_local=256, chunk_size=128
 
 @pytest.fixture
 def short_context(lm, monkeypatch):
-    """The embedded model told its context is NEEDLE_LIMIT positions. Calling the fixture's value starts
+    """Calling the fixture's value tells the embedded model its context is NEEDLE_LIMIT positions and starts
     recording every position handed to the rotary embedding (by the model or by the engine's own rotation),
-    each checked against the context; it returns the list of the largest position of each call."""
-    monkeypatch.setattr(lm.model.config.get_text_config(decoder=True), "max_position_embeddings", NEEDLE_LIMIT)
+    each checked against the context; it returns the list of the largest position of each call. (Engines made
+    before the call find the model's shipped retrieval heads, which are keyed by its whole configuration.)"""
     seen, hooks = [], []
 
     def check(module, args):
@@ -100,6 +100,7 @@ def short_context(lm, monkeypatch):
         assert top < NEEDLE_LIMIT, f"position {top} past the context of {NEEDLE_LIMIT}"
 
     def watch() -> list[int]:
+        monkeypatch.setattr(lm.model.config.get_text_config(decoder=True), "max_position_embeddings", NEEDLE_LIMIT)
         hooks.append(rotary_module(lm.model).register_forward_pre_hook(check))
         return seen
 
@@ -127,7 +128,7 @@ def _niah(lm, depth: float):
 ])
 def test_a_document_four_times_the_context(lm, short_context, name, depth, settings):
     doc, question, expected = _niah(lm, depth)
-    engine = make_engine(lm, name, **settings)  # (ltri: its retrieval heads are found on a short copy task)
+    engine = make_engine(lm, name, **settings)
     seen = short_context()
     answer, state = greedy_answer(engine, doc, question, 12)
     assert expected in lm.tokenizer.decode(answer)

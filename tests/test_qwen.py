@@ -100,6 +100,19 @@ def test_every_engine_finds_the_pass_key(qwen, passkey, name, settings):
         assert not counters["ltri_retrieval_heads"].startswith("none")  # found on this model, not on Gemma
 
 
+def test_the_heads_ship_with_the_package(qwen):
+    from engines.ltri.heads import SHIPPED, heads_key
+
+    assert (SHIPPED / f"{heads_key(qwen.model, qwen.name)}.json").exists()
+
+
+@pytest.mark.long
+def test_shipped_heads_are_what_scoring_finds(qwen):
+    from tests.test_ltri import shipped_heads_match_scoring
+
+    shipped_heads_match_scoring(qwen)
+
+
 def test_a_converted_model_runs_without_its_packages(tmp_path, monkeypatch):
     """The packages only feed the one-time conversion: a home that holds the converted folder needs none."""
     import json

@@ -68,7 +68,7 @@ def _dense_kv(lm, ids: torch.Tensor):
 def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
     """After a rectification the rewritten K/V equal a dense encoding of the same tokens, descriptors match
     a rebuild; without rectification the sparse-written K/V differ (so the check is not vacuous)."""
-    doc, question = story_ids(lm, story_text, 2000)
+    doc, question = story_ids(lm, story_text, 1000)
     # The same 16 tokens fed through 16 decode steps of both runs (teacher forcing): one rectification with
     # rectify_every=16, none with 0.
     targets = doc[1:18].tolist()

@@ -5,6 +5,11 @@ attends to most is the very needle token being copied. Here the copy is teacher-
 random sentences with a needle ("The secret code is <word>-<digits>."), the question, then the needle's value
 as the answer; at each answer token, a head scores when its top key (eager attention) holds that same token
 inside the needle. Per layer the best head counts if its score is above 0.1 (the paper's cut-off).
+
+Scores are keyed by the model's name and configuration (dtype and transformers version included). The package
+ships the named models' scores in float32 (retrieval_heads/, as `cached_heads` writes them; the long tests
+compute them again and compare), so a first run on the CPU does not pay ~10-40 s for them; other models and
+dtypes are scored on first use and kept under $LONGCTX_HOME.
 """
 
 from __future__ import annotations
@@ -83,15 +88,24 @@ def best_heads(scores: dict[int, list[float]]) -> dict[int, tuple[int, float]]:
 
 
 _COMPUTED: dict[str, dict[int, list[float]]] = {}  # scores computed in this process, by model key
+SHIPPED = Path(__file__).with_name("retrieval_heads")
+
+
+def heads_key(model, model_name: str) -> str:
+    """The scores' file name: the model's name and its whole configuration (dtype, transformers version)."""
+    return hashlib.sha256(f"{model_name}|{model.config.to_json_string()}".encode()).hexdigest()[:16]
 
 
 def cached_heads(model, tokenizer, model_name: str, layers: list[int],
                  home: Path | None) -> dict[int, tuple[int, float]]:
-    """best_heads, computed on first use for this model and kept in home/retrieval_heads/ (home None: kept
-    for this process only)."""
-    key = hashlib.sha256(f"{model_name}|{model.config.to_json_string()}".encode()).hexdigest()[:16]
+    """best_heads from the package's scores for this model, else from home/retrieval_heads/, else computed now
+    and kept there (home None: kept for this process only)."""
+    key = heads_key(model, model_name)
     path = None if home is None else home / "retrieval_heads" / f"{key}.json"
-    scores = _COMPUTED.get(key) or (_read_scores(path, layers) if path is not None and path.exists() else None)
+    scores = _COMPUTED.get(key)
+    for known in (SHIPPED / f"{key}.json", path):
+        if scores is None and known is not None and known.exists():
+            scores = _read_scores(known, layers)
     if scores is None:
         scores = score_heads(model, tokenizer, layers)
         if path is not None:
