@@ -61,3 +61,32 @@ def test_a_conversion_parses_the_gguf_once(tmp_path):
         assert gguf.GGUFReader(str(path)) is first
         assert first.fields["llama.block_count"].contents() == 1
     assert gguf.GGUFReader is original and gguf.GGUFReader(path) is not first
+
+
+def test_a_conversion_turns_the_metadata_into_values_once(tmp_path, monkeypatch):
+    """transformers' metadata-only loads of one GGUF (two configs and the tokenizer) share one parse, each caller
+    getting its own copy; loads with tensors, and everything outside a conversion, are the library's own."""
+    from transformers import configuration_utils, modeling_gguf_pytorch_utils, tokenization_utils_tokenizers
+    from transformers.models.auto import tokenization_auto
+
+    from longctx_cli.gguf_convert import _one_parse
+
+    calls = []
+
+    def load(path, return_tensors=False, **kwargs):
+        calls.append(return_tensors)
+        return {"config": {"model_type": "llama"}, "tokenizer": {"tokens": ["a", "b"]}}
+
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", load)
+    path = tmp_path / "m.gguf"
+    before = configuration_utils.load_gguf_checkpoint
+    with _one_parse():
+        got = [m.load_gguf_checkpoint(path, return_tensors=False) for m in
+               (configuration_utils, tokenization_auto, tokenization_utils_tokenizers)]
+        got[0]["config"]["model_type"] = "changed by its caller"
+        again = configuration_utils.load_gguf_checkpoint(str(path))
+        with_tensors = modeling_gguf_pytorch_utils.load_gguf_checkpoint(path, return_tensors=True)
+    assert calls == [False, True]
+    assert got[1] == got[2] == again == with_tensors and got[1] is not got[2]
+    assert configuration_utils.load_gguf_checkpoint is before
+    assert tokenization_auto.load_gguf_checkpoint is tokenization_utils_tokenizers.load_gguf_checkpoint is before
