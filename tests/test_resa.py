@@ -45,8 +45,8 @@ def test_short_document_is_exactly_dense(lm, story_text, n, settings):
 def test_sparse_decoding_reads_a_tenth_and_answers(lm, story_text):
     """~3K tokens: 10% of the blocks on the 3 global layers; the report says what was read and rectified."""
     doc, question = story_ids(lm, story_text, 3000)
-    engine = make_engine(lm, "resa", **SPARSE)
-    tokens, state = greedy_answer(engine, doc, question, 40)
+    engine = make_engine(lm, "resa", rectify_every=8, **SPARSE)
+    tokens, state = greedy_answer(engine, doc, question, 12)
     counters = engine.counters(state)
     assert "resa_decode" not in counters
     assert counters["sparse_layers"].startswith("3/18")
