@@ -82,9 +82,6 @@ class DecodeStep:
         self.logits: torch.Tensor | None = None
         self.use_graph = use_graph and device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
-        if sampler.temperature > 0:
-            # Seeds the CPU and CUDA default generators; the CUDA one is graph-safe (philox offsets).
-            torch.manual_seed(sampler.seed)
 
     def _step(self) -> None:
         self.cache.begin_decode(self.position, self.length)
@@ -104,6 +101,12 @@ class DecodeStep:
             self._capture()
         elif self.segments is not None and not self.segments.captured:
             self.segments.capture(self._step, self._restorer(), lambda: swapped(self.blocks))
+        if self.sampler.temperature > 0:
+            # The steps of every answer draw from their own stream, seeded here, after any capture (whose warm-up
+            # draws too): an answer's samples depend on its seed alone, not on whether this step was made and
+            # captured for it or for an earlier question. Seeds the CPU and CUDA default generators; the CUDA one
+            # is graph-safe (a replay reads its seed and offset).
+            torch.manual_seed(self.sampler.seed + 1)
 
     def _restorer(self):
         """A function that puts the step's inputs back as they are now (a capture's warm-up advances them)."""

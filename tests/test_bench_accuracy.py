@@ -21,7 +21,7 @@ def test_bench_tasks_end_to_end_next_to_dense(cli, tmp_path):
     and dense_score are the means of their own engine's sample scores."""
     out = tmp_path / "acc.json"
     code, stdout, err = cli("bench", "--profile", "star,resa", "--tasks", "niah_single_1,vt", "--lengths", "1k",
-                            "--samples", "1", "-n", "12", "--set", "min_block_size=256", "--json", out)
+                            "--samples", "1", "-n", "6", "--set", "min_block_size=256", "--json", out)
     assert code == 0, err
     assert stdout == ""
     assert "accuracy: gemma3-270m" in err
@@ -38,8 +38,8 @@ def test_bench_tasks_end_to_end_next_to_dense(cli, tmp_path):
         assert set(sample["results"]) == {"star", "resa", "dense"}
         for run in sample["results"].values():
             assert sample["expected"] and isinstance(run["answer"], str)
-            # The prompt fills the length minus the answer budget exactly (budget = min(RULER's, -n 12)).
-            assert run["prompt_tokens"] == 1024 - 12
+            # The prompt fills the length minus the answer budget exactly (budget = min(RULER's, -n 6)).
+            assert run["prompt_tokens"] == 1024 - 6
             found = sum(e.lower() in run["answer"].lower() for e in sample["expected"])
             assert run["score"] == pytest.approx(100 * found / len(sample["expected"]))
     for row in result["rows"]:

@@ -73,14 +73,17 @@ def test_sliding_window_layers_see_only_their_window(lm):
 
 
 def test_sampling_is_seeded(lm, story_text):
-    """The same seed samples the same tokens; another seed, or greedy decoding, other ones (so the temperature
-    is applied at all)."""
+    """The same seed samples the same tokens, also from a restored state whose decode step an earlier answer made
+    (read once, ask many); another seed, or greedy decoding, other ones (so the temperature is applied at all)."""
     ids = _document_ids(lm, story_text, 300)
     engine = _engine(lm)
 
+    state = engine.prefill(ids, reserve=8)
+    checkpoint = engine.checkpoint(state)
+
     def run(sampler):
-        state = engine.prefill(ids, reserve=16)
-        return list(engine.answer(state, torch.tensor([], dtype=torch.long), 16, sampler))
+        engine.restore(state, checkpoint)
+        return list(engine.answer(state, torch.tensor([], dtype=torch.long), 8, sampler))
 
     seeded = [run(Sampler(temperature=1.0, top_p=0.9, seed=seed)) for seed in (3, 3, 4)]
     assert seeded[0] == seeded[1]

@@ -67,7 +67,7 @@ def test_short_documents_get_fewer_blocks(capsys, monkeypatch):
     # Two blocks whose anchor is the whole first block are dense attention too (the sample is ~1.4K tokens).
     for name, args in (("star", []), ("star-2", ["--set", "min_block_size=700"]), ("dense", [])):
         code, out, err = run_cli(["ask", str(SAMPLE), "What was the name of the schooner?", "-p", name[:5].strip("-"),
-                                  "-n", "12", "--json", "--state", "off", *args], capsys, monkeypatch)
+                                  "-n", "6", "--json", "--state", "off", *args], capsys, monkeypatch)
         assert code == 0, err
         answers[name] = _json_answer(out)
     for name, blocks in (("star", 1), ("star-2", 2)):
