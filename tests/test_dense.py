@@ -125,6 +125,25 @@ def test_tokenizer_matches_gemma_segmentation(lm):
 
 
 @pytest.mark.gpu
+def test_seeded_sampling_through_the_captured_step_repeats_from_a_restored_state():
+    """On CUDA, the decode step captured by the first answer: the same seed samples the same tokens when the
+    question is asked again from the checkpoint (the replays read the generator's seed as the answer set it)."""
+    from longctx_cli.models import load_model
+
+    lm = load_model("random:qwen3-1.7b", device="cuda", dtype="bfloat16")
+    ids = torch.randint(1000, 20000, (2000,), generator=torch.Generator().manual_seed(2))
+    engine = _engine(lm, chunk_size=1024)
+    state = engine.prefill(ids, reserve=40)
+    checkpoint = engine.checkpoint(state)
+    outs = []
+    for seed in (5, 5, 6):
+        engine.restore(state, checkpoint)
+        outs.append(list(engine.answer(state, ids[:8], 24, Sampler(temperature=1.0, seed=seed))))
+        assert state.decode.graph is not None
+    assert outs[0] == outs[1] != outs[2]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["gemma3-270m", "qwen3-1.7b"])
 def test_graph_decode_equals_eager_decode_on_gpu(preset):
     """On CUDA: the captured decode step replays to exactly the eager loop's greedy tokens (random weights:
