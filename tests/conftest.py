@@ -107,3 +107,16 @@ def greedy_answer(engine, doc, question, n):
 
     state = engine.prefill(doc, reserve=question.numel() + n)
     return list(engine.answer(state, question, n, Sampler())), state
+
+
+def shipped_heads_match_scoring(model) -> None:
+    """The package's scores for this model equal a fresh `score_heads` with its defaults."""
+    import json
+
+    from engines.ltri.heads import SHIPPED, heads_key, score_heads
+
+    shipped = json.loads((SHIPPED / f"{heads_key(model.model, model.name)}.json").read_text())["scores"]
+    fresh = score_heads(model.model, model.tokenizer, [int(layer) for layer in shipped])
+    assert sorted(fresh) == sorted(int(layer) for layer in shipped)
+    for layer, scores in fresh.items():
+        assert scores == pytest.approx(shipped[str(layer)], abs=1e-6), layer

@@ -381,20 +381,9 @@ def test_the_embedded_models_heads_ship_with_the_package(lm):
 
 @pytest.mark.long
 def test_shipped_heads_are_what_scoring_finds(lm):
+    from tests.conftest import shipped_heads_match_scoring
+
     shipped_heads_match_scoring(lm)
-
-
-def shipped_heads_match_scoring(model) -> None:
-    """The package's scores for this model equal a fresh `score_heads` with its defaults."""
-    import json
-
-    from engines.ltri.heads import SHIPPED, heads_key, score_heads
-
-    shipped = json.loads((SHIPPED / f"{heads_key(model.model, model.name)}.json").read_text())["scores"]
-    fresh = score_heads(model.model, model.tokenizer, [int(layer) for layer in shipped])
-    assert sorted(fresh) == sorted(int(layer) for layer in shipped)
-    for layer, scores in fresh.items():
-        assert scores == pytest.approx(shipped[str(layer)], abs=1e-6), layer
 
 
 def test_static_index_mode_runs(lm):

@@ -108,7 +108,7 @@ def test_the_heads_ship_with_the_package(qwen):
 
 @pytest.mark.long
 def test_shipped_heads_are_what_scoring_finds(qwen):
-    from tests.test_ltri import shipped_heads_match_scoring
+    from tests.conftest import shipped_heads_match_scoring
 
     shipped_heads_match_scoring(qwen)
 
