@@ -23,6 +23,7 @@ file says so.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -72,7 +73,10 @@ def run_grid(args) -> list[Path]:
     while pending or running:
         while pending and len(running) < args.jobs:
             cell = pending.pop(0)
-            name = "_".join(("+".join(Path(p).stem for p in cell[0].split("+")), *cell[1:])).replace(",", "-")
+            group = "+".join(Path(p).stem for p in cell[0].split("+"))
+            if len(group) > 100:  # many profiles in one process: file names must stay under the file system's limit
+                group = f"{group[:60]}-{hashlib.sha1(group.encode()).hexdigest()[:12]}"
+            name = "_".join((group, *cell[1:])).replace(",", "-")
             out, log = work / f"{name}.json", open(work / f"{name}.log", "w")
             proc = subprocess.Popen(_command(args, *cell, out), stdout=subprocess.DEVNULL, stderr=log, env=env)
             running.append((proc, out, log, name, time.monotonic()))
