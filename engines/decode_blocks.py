@@ -10,8 +10,10 @@ the model's own modules and its chunk shapes):
   modules keep views of their rows: no memory is added, prefill computes what it computed before) and the step
   runs one GEMV per group.
 - Compiled blocks (run key `compile_decode`, off): the MLPs and norms under torch.compile with static shapes.
-  Inductor fuses each RMSNorm (6 kernels) and the MLP's activation * up into one (H100, random 8B at 4K:
-  8.60 -> 7.73 ms/token, 1,497 -> 1,017 kernels; benchmarks/profile_decode.py). Their shapes never change
+  Inductor fuses each RMSNorm (6-8 kernels) and the MLP's activation * up into one (H100, random 8B at 4K:
+  8.60 -> 7.73 ms/token, 1,497 -> 1,017 kernels; benchmarks/profile_decode.py). The norms include those inside
+  the attention (Qwen 3's and Gemma 3's per-head q_norm and k_norm: eagerly 16 kernels a layer) and the final
+  one. Their shapes never change
   with the document, so one compilation serves every layer and document; the attention (Triton launchers,
   the engine's cache state) stays eager. The rotary embedding, `apply_rotary_pos_emb` in the model's modeling
   module, is compiled too: eagerly it is ~10 kernels per layer (~0.6 ms of an 8B step). The attention forward
@@ -143,8 +145,17 @@ class DecodeBlocks:
                     replacement = torch.compile(replacement, dynamic=False)
                 if compile and hasattr(child, "q_proj"):
                     self._compile_functions(sys.modules[type(child).__module__])
+                    self._compile_norms(child)  # Qwen 3's and Gemma 3's per-head q_norm and k_norm
                 if replacement is not child:
                     self.slots.append((layer, name, child, replacement))
+        if compile:
+            self._compile_norms(model.get_decoder())  # the final norm, once per step
+
+    def _compile_norms(self, parent: torch.nn.Module) -> None:
+        """parent's own RMSNorm children (not its layers'), compiled like the layers' norms."""
+        for name, child in parent.named_children():
+            if type(child).__name__.endswith("RMSNorm"):
+                self.slots.append((parent, name, child, torch.compile(child, dynamic=False)))
 
     def _compile_functions(self, module) -> None:
         for name in _COMPILED_FUNCTIONS:

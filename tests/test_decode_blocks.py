@@ -12,20 +12,26 @@ pytestmark = pytest.mark.slow
 
 
 def test_compiled_blocks_swap_in_the_mlps_and_norms_and_put_them_back(lm):
-    """compile_decode's modules: every layer's MLP and norms (Gemma 3: four), the attention left alone; they
-    are in place only inside swapped() (prefill keeps the eager modules)."""
-    layers = lm.model.get_decoder().layers
+    """compile_decode's modules: every layer's MLP and norms (Gemma 3: four, and the attention's q_norm and
+    k_norm) and the final norm, the attention itself left alone; they are in place only inside swapped() (prefill
+    keeps the eager modules)."""
+    decoder = lm.model.get_decoder()
+    layers = decoder.layers
     blocks = DecodeBlocks(lm.model, fuse=False, compile=True)
     names = {name for _, name, _, _ in blocks.slots}
     assert names == {"mlp", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"}
-    assert len(blocks.slots) == 5 * len(layers) and blocks.fused == set()
+                     "post_feedforward_layernorm", "q_norm", "k_norm", "norm"}
+    assert len(blocks.slots) == 7 * len(layers) + 1 and blocks.fused == set()
     eager = [layer.mlp for layer in layers]
+    eager_norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers] + [decoder.norm]
     with blocks.swapped():
         assert all(isinstance(layer.mlp, torch._dynamo.eval_frame.OptimizedModule) for layer in layers)
         assert [layer.mlp._orig_mod for layer in layers] == eager
         assert all(layer.self_attn is not None and not hasattr(layer.self_attn, "_orig_mod") for layer in layers)
+        assert all(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for layer in layers
+                   for m in (layer.self_attn.q_norm, layer.self_attn.k_norm, decoder.norm))
     assert [layer.mlp for layer in layers] == eager
+    assert [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers] + [decoder.norm] == eager_norms
     # The rotary embedding, swapped in the modeling module's globals and put back.
     import transformers.models.gemma3.modeling_gemma3 as modeling
 
