@@ -159,7 +159,11 @@ def launch(args: list[str], n: int, device: str) -> int:
         except ChildFailedError as exc:
             return _first_failure(errors, {r: f.exitcode for r, f in exc.failures.items()}, n)
         except SignalException as exc:
-            # Ctrl-C or SIGTERM reached the agent; it passed the signal on and the ranks flushed and left.
+            # Ctrl-C or SIGTERM reached the agent; it passed the signal on and the ranks flushed and left. A second
+            # one from here on is ignored: Python's finalization resets a handled signal to its default action, so
+            # a Ctrl-C pressed again while the launcher exits would kill it (-2) instead of letting it exit 130.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
             return EXIT_TERMINATED if exc.sigval == signal.SIGTERM else EXIT_INTERRUPTED
         finally:
             if stdin_file is not None:

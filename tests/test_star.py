@@ -286,3 +286,37 @@ def _cmdline(proc: Path) -> str:
         return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_launcher_ignores_a_second_signal_once_interrupted(monkeypatch):
+    """After the agent's SignalException (the ranks told to stop), the launcher returns 130 / 143 and ignores
+    further Ctrl-C or SIGTERM: Python's finalization would reset a handled signal to its default action, and a
+    second Ctrl-C while it exits would kill it (-2) instead."""
+    import signal
+
+    import torch.distributed.launcher.api as launcher
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from longctx_cli import distributed
+
+    def stopped(sig):
+        def run(config, entrypoint):
+            def call(*args):
+                raise SignalException(f"got signal: {sig}", sigval=sig)
+            return call
+        return run
+
+    for name in ("LONGCTX_COMMAND", "OMP_NUM_THREADS", "LONGCTX_RANK_ERRORS"):  # launch() sets them: put back after
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+            for s, handler in saved.items():
+                signal.signal(s, handler)
+            monkeypatch.setattr(launcher, "elastic_launch", stopped(sig))
+            assert distributed.launch(["ask", "doc.txt", "Who?"], 2, "cpu") == code
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
