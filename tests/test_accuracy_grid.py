@@ -119,3 +119,27 @@ def test_grouped_profiles_run_in_one_process_and_resume_by_member(tmp_path):
     assert ("resa", "niah_single_1", "8192") in skip and ("star", "niah_single_1", "8192") in skip
     assert grid._left("resa+star", "niah_single_1", "4096,8192", skip) == ["4096"]
     assert grid._left("resa+sas-pattern", "niah_single_1", "8192", skip) == ["8192"]
+
+
+def test_readme_holds_the_current_tables_and_no_cell_misses_its_target():
+    """benchmarks/README.md's per-model accuracy tables are accuracy_current.py's output from the committed
+    result files (a new run changes both together), and no deciding cell there is below its engine's target."""
+    current = _script("accuracy_current")
+    readme = (BENCH / "README.md").read_text()
+    for model in current.SOURCES:
+        text, misses = current.table(model)
+        assert text in readme, f"benchmarks/README.md's {model} table differs from accuracy_current.py's"
+        assert misses == []
+        assert text.count("\n") > 20
+
+
+def test_a_cell_below_its_target_is_bold_and_counted(tmp_path, monkeypatch):
+    current = _script("accuracy_current")
+    rows = [{"profile": "resa", "task": "niah_single_1", "length": 2048, "score": s, "dense_score": 100.0,
+             "samples": 20} for s in (90.0,)]
+    (tmp_path / "r.json").write_text(json.dumps({"rows": rows}))
+    monkeypatch.setattr(current, "RESULTS", tmp_path)
+    monkeypatch.setattr(current, "SOURCES", {"m": ("r.json", [("resa", [("r.json", "resa", None)], set())])})
+    monkeypatch.setattr(current, "DENSE_MORE", {})
+    text, misses = current.table("m")
+    assert "| resa | niah_single_1 | **90.0 (90%)** |" in text and len(misses) == 1
