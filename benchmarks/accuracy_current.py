@@ -10,8 +10,13 @@ README.md holds these tables as printed (tests/test_accuracy_grid.py keeps the t
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.accuracy_table import _dense  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LENGTHS = (2048, 4096, 8192, 16384, 32768)
@@ -62,9 +67,13 @@ SOURCES = {
 DENSE_MORE = {_G: "2026-11-25_h100_accuracy_gemma3-270m_resa_star_singles_16k_32k.json"}
 
 
+@functools.cache
+def _result(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
 def _rows(file: str, profile: str, lengths) -> dict:
-    result = json.loads((RESULTS / file).read_text())
-    return {(r["task"], r["length"]): r for r in result["rows"]
+    return {(r["task"], r["length"]): r for r in _result(RESULTS / file)["rows"]
             if r["profile"] == profile and (lengths is None or r["length"] in lengths)}
 
 
@@ -79,9 +88,9 @@ def table(model: str) -> tuple[str, list[str]]:
     """The markdown table of a model and the cells that miss their target."""
     dense_file, engines = SOURCES[model]
     dense = {}
-    for file in (dense_file, DENSE_MORE.get(model)):
-        for key, row in (_rows(file, "resa", None) if file else {}).items():
-            dense.setdefault(key, (row["dense_score"], row["samples"]))
+    for file in filter(None, (dense_file, DENSE_MORE.get(model))):
+        for key, mean_and_count in _dense(_result(RESULTS / file)).items():
+            dense.setdefault(key, mean_and_count)
     lines = ["| engine | task | " + " | ".join(f"{n // 1024}K" for n in LENGTHS) + " |",
              "|---|---|" + "---|" * len(LENGTHS)]
     for task in TASKS:

@@ -135,11 +135,13 @@ def test_readme_holds_the_current_tables_and_no_cell_misses_its_target():
 
 def test_a_cell_below_its_target_is_bold_and_counted(tmp_path, monkeypatch):
     current = _script("accuracy_current")
-    rows = [{"profile": "resa", "task": "niah_single_1", "length": 2048, "score": s, "dense_score": 100.0,
-             "samples": 20} for s in (90.0,)]
-    (tmp_path / "r.json").write_text(json.dumps({"rows": rows}))
+    rows = [{"profile": "resa", "task": "niah_single_1", "length": 2048, "score": 90.0, "dense_score": 100.0,
+             "samples": 20}]
+    samples = [{"task": "niah_single_1", "length": 2048, "results": {"dense": {"score": 100.0}}}] * 20
+    (tmp_path / "r.json").write_text(json.dumps({"rows": rows, "samples": samples}))
     monkeypatch.setattr(current, "RESULTS", tmp_path)
     monkeypatch.setattr(current, "SOURCES", {"m": ("r.json", [("resa", [("r.json", "resa", None)], set())])})
     monkeypatch.setattr(current, "DENSE_MORE", {})
     text, misses = current.table("m")
+    assert "| dense | niah_single_1 | 100.0 |" in text
     assert "| resa | niah_single_1 | **90.0 (90%)** |" in text and len(misses) == 1
