@@ -1,13 +1,17 @@
 """Where resa's block selection spends its time in one decode step, per layer: the bound kernel, the softmax pool
-and the top-k, and the top-k's stages (load, key range, binary search, output), each timed by switching the others
-off in a copy of the shipped top-k program, plus warps per program. Random keys with a shared direction per
-512-token span (so block scores spread), the Llama-3.1-8B and Qwen3-1.7B attention shapes, 128K and 256K tokens,
-the shipped rule (softmax pooling + centroid, 10%, floor 1,024 blocks). Checks that the copy selects what the
-shipped kernel selects, and the shipped kernel what the reference selects. Speed only.
+and the top-k, and the top-k's stages (load, key range, search, output), each timed by switching the others
+off in a copy of the shipped top-k program, plus warps per program and the search's two probe rules (halving,
+interpolating) with their step counts. Two sources of descriptors and queries: random keys with a shared
+direction per 512-token span (so block scores spread), the Llama-3.1-8B and Qwen3-1.7B attention shapes, 128K
+and 256K tokens; and with --engine, a random-weight model's own (every layer's query and descriptors in one
+decode step after a prefill of random tokens). The shipped rule (softmax pooling + centroid, 10%, floor 1,024
+blocks). Checks that the copy selects what the shipped kernel selects, and the shipped kernel what the reference
+selects. Speed only.
 
     python benchmarks/resa_topk_breakdown.py          # writes $OUT/topk_diag.json (or ./topk_diag.json)
+    python benchmarks/resa_topk_breakdown.py --engine random:qwen3-1.7b --length 128k   # $OUT/topk_engine.json
 """
-import json, os, sys
+import argparse, json, os, sys
 from pathlib import Path
 import torch, triton, triton.language as tl
 from triton.testing import do_bench_cudagraph
@@ -22,17 +26,19 @@ from kernels.block_select.reference import select_blocks as ref_select
 @triton.jit
 def _topk_variant(Scores, Length, Out, Steps, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
                   BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr,
-                  SEARCH: tl.constexpr, OUTPUT: tl.constexpr, RANGE: tl.constexpr):
+                  SEARCH: tl.constexpr, OUTPUT: tl.constexpr, RANGE: tl.constexpr, INTERPOLATE: tl.constexpr):
     """The shipped resident top-k (kernels/block_select/triton_topk.py) from its own parts, each switchable."""
     pid_bh, k, offs_a, in_a, key_a, offs_b, in_b, key_b = _resident_row(
         Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK, NB_MAIN, NB_REST)
     if RANGE:
-        lo, hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
+        lo, hi, at_lo, at_hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
     else:
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483648, tl.int64)
+        at_lo = tl.sum(in_a.to(tl.int32), 0) + tl.sum(in_b.to(tl.int32), 0)
+        at_hi = tl.zeros([], dtype=tl.int32)
     if SEARCH:
-        thr, steps = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, True)
+        thr, steps = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, at_lo, at_hi, INTERPOLATE, True)
     else:
         thr, steps = lo.to(tl.int32), tl.zeros([], dtype=tl.int32)
     tl.store(Steps + pid_bh, steps)
@@ -42,72 +48,148 @@ def _topk_variant(Scores, Length, Out, Steps, n_blocks_cap, width, ratio_num, ra
         tl.store(Out + pid_bh * width, thr)
 
 
-SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen3-1.7b": (16, 8, 128)}
-rule = KeepRule(keep_ratio=0.1, min_blocks=1024, local_blocks=1, sink_blocks=1, pooling="softmax", centroid=True)
-rows = []
-for shape, (Hq, Hkv, D) in SHAPES.items():
-    for length in (131072, 262144):
-        torch.manual_seed(0)
-        opts = dict(device="cuda", dtype=torch.bfloat16)
-        q = torch.randn(1, Hq, D, **opts)
-        k = torch.randn(1, Hkv, length, D, **opts)
-        # Real keys are not iid: give each 512-token span a shared direction so block scores spread.
-        k += 2 * torch.randn(1, Hkv, length // 512, 1, D, **opts).expand(-1, -1, -1, 512, -1).reshape(1, Hkv, length, D)
-        NB = length // 16
-        kmax, kmin, kmean = (torch.empty(1, Hkv, NB, D, **opts) for _ in range(3))
-        n = torch.tensor([length], device="cuda")
-        update_block_descriptors(k, kmax, kmin, n, length, 16, kmean)
-        width = rule.keep(NB)
-        args = dict(block_size=16, rule=rule, width=width, scale=D ** -0.5, kmean=kmean)
-        full = lambda: sel.select_blocks_triton(q, kmax, kmin, n, **args)
-        got = full()
-        ref = ref_select(q.float(), kmax.float(), kmin.float(), n, **{**args, "kmean": kmean.float()})
-        agree = (got == ref).float().mean().item()
-        # the parts
-        group = Hq // Hkv
-        tile = min(128, sel._DOT_ELEMENTS // D)
-        n_tiles = triton.cdiv(NB, tile)
-        scores = torch.empty(1, Hkv, NB, device="cuda", dtype=torch.float32)
-        bounds = torch.empty(1, Hkv, group, NB, device="cuda", dtype=torch.float32)
-        tmax = torch.empty(1, Hkv, group, n_tiles, device="cuda", dtype=torch.float32)
-        tsum = torch.empty_like(tmax)
-        num, den = rule.ratio
-        def b_():
-            sel._head_bounds_kernel[(Hkv, n_tiles)](q, kmax, kmin, kmean, n, bounds, tmax, tsum, Hkv, NB, n_tiles, 1, 1,
-                D ** -0.5 * sel._LOG2E, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2),
-                GROUP=group, G_DOT=16, HEAD_DIM=D, BLOCK=16, TILE=tile, CENTROID=True, IEEE=False, num_warps=4)
-        def p_():
-            sel._softmax_pool_kernel[(Hkv, n_tiles)](bounds, tmax, tsum, n, scores, Hkv, NB, n_tiles, 1, 1, GROUP=group,
-                BLOCK=16, TILE=tile, NT_PAD=max(16, triton.next_power_of_2(n_tiles)), num_warps=4)
-        b_(); p_()
-        out = torch.empty(1, Hkv, width, device="cuda", dtype=torch.int32)
-        steps = torch.zeros(Hkv, device="cuda", dtype=torch.int32)
-        main = max(16, 1 << (NB.bit_length() - 1)); rest = max(16, triton.next_power_of_2(max(1, NB - main)))
-        def t_(search=True, output=True, rng=True, warps=None):
-            _topk_variant[(Hkv,)](scores, n, out, steps, NB, width, num, den, rule.min_blocks, Hkv, BLOCK=16,
-                NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)),
-                SEARCH=search, OUTPUT=output, RANGE=rng,
-                num_warps=warps or min(16, max(4, triton.next_power_of_2((main + rest) // 1024))))
-        t_()
-        same_topk = torch.equal(out, got)
-        n_steps = steps.tolist()
-        ms = {}
-        with torch.cuda.stream(torch.cuda.Stream()):
-            ms["select_full"] = do_bench_cudagraph(full, rep=100, return_mode="median")
-            ms["bounds"] = do_bench_cudagraph(b_, rep=100, return_mode="median")
-            ms["pool"] = do_bench_cudagraph(p_, rep=100, return_mode="median")
-            ms["topk"] = do_bench_cudagraph(t_, rep=100, return_mode="median")
-            ms["topk_nosearch"] = do_bench_cudagraph(lambda: t_(search=False), rep=100, return_mode="median")
-            ms["topk_nooutput"] = do_bench_cudagraph(lambda: t_(output=False), rep=100, return_mode="median")
-            ms["topk_norange"] = do_bench_cudagraph(lambda: t_(rng=False), rep=100, return_mode="median")
-            ms["topk_load_only"] = do_bench_cudagraph(lambda: t_(search=False, output=False, rng=False), rep=100, return_mode="median")
-            for w in (4, 8, 16, 32):
-                ms[f"topk_w{w}"] = do_bench_cudagraph(lambda: t_(warps=w), rep=100, return_mode="median")
-            ms["empty_graph_kernel"] = do_bench_cudagraph(lambda: steps.add_(0), rep=100, return_mode="median")
-        row = dict(shape=shape, length=length, n_blocks=NB, width=width, steps=n_steps, agree_with_reference=agree,
-                   variant_equals_shipped=same_topk, us={k2: round(v * 1000, 2) for k2, v in ms.items()})
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-out_dir = os.environ.get("OUT", ".")
-Path(out_dir, "topk_diag.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-    "triton": triton.__version__, "rows": rows}, indent=1))
+RULE = KeepRule(keep_ratio=0.1, min_blocks=1024, local_blocks=1, sink_blocks=1, pooling="softmax", centroid=True)
+
+
+def _bench(fn) -> float:
+    return round(do_bench_cudagraph(fn, rep=100, return_mode="median") * 1000, 2)
+
+
+def measure(q, kmax, kmin, kmean, n, scale, stages=True) -> dict:
+    """One layer's selection: q [1, Hq, D], descriptors [1, Hkv, NB, D], n [1]. Times (µs), search steps per head."""
+    Hq, D = q.shape[1:]
+    Hkv, NB = kmax.shape[1:3]
+    width = RULE.keep(NB)
+    args = dict(block_size=16, rule=RULE, width=width, scale=scale, kmean=kmean)
+    full = lambda: sel.select_blocks_triton(q, kmax, kmin, n, **args)
+    got = full()
+    ref = ref_select(q.float(), kmax.float(), kmin.float(), n, **{**args, "kmean": kmean.float()})
+    group = Hq // Hkv
+    tile = min(128, sel._DOT_ELEMENTS // D)
+    n_tiles = triton.cdiv(NB, tile)
+    scores = torch.empty(1, Hkv, NB, device="cuda", dtype=torch.float32)
+    bounds = torch.empty(1, Hkv, group, NB, device="cuda", dtype=torch.float32)
+    tmax = torch.empty(1, Hkv, group, n_tiles, device="cuda", dtype=torch.float32)
+    tsum = torch.empty_like(tmax)
+    num, den = RULE.ratio
+
+    def b_():
+        sel._head_bounds_kernel[(Hkv, n_tiles)](q, kmax, kmin, kmean, n, bounds, tmax, tsum, Hkv, NB, n_tiles, 1, 1,
+            scale * sel._LOG2E, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2),
+            GROUP=group, G_DOT=16, HEAD_DIM=D, BLOCK=16, TILE=tile, CENTROID=True, IEEE=False, num_warps=4)
+
+    def p_():
+        sel._softmax_pool_kernel[(Hkv, n_tiles)](bounds, tmax, tsum, n, scores, Hkv, NB, n_tiles, 1, 1, GROUP=group,
+            BLOCK=16, TILE=tile, NT_PAD=max(16, triton.next_power_of_2(n_tiles)), num_warps=4)
+    b_(); p_()
+    out = torch.empty(1, Hkv, width, device="cuda", dtype=torch.int32)
+    steps = torch.zeros(Hkv, device="cuda", dtype=torch.int32)
+    main = max(16, 1 << (NB.bit_length() - 1)); rest = max(16, triton.next_power_of_2(max(1, NB - main)))
+
+    def t_(search=True, output=True, rng=True, warps=None, interpolate=sel._INTERPOLATE):
+        _topk_variant[(Hkv,)](scores, n, out, steps, NB, width, num, den, RULE.min_blocks, Hkv, BLOCK=16,
+            NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)),
+            SEARCH=search, OUTPUT=output, RANGE=rng, INTERPOLATE=interpolate,
+            num_warps=warps or min(16, max(4, triton.next_power_of_2((main + rest) // 1024))))
+    row = dict(n_blocks=NB, width=width, agree_with_reference=(got == ref).float().mean().item())
+    for rule_name, interpolate in (("halving", False), ("interpolating", True)):
+        t_(interpolate=interpolate)
+        row[f"variant_equals_shipped_{rule_name}"] = torch.equal(out, got)
+        row[f"steps_{rule_name}"] = steps.tolist()
+    ms = {}
+    with torch.cuda.stream(torch.cuda.Stream()):
+        ms["select_full"] = _bench(full)
+        ms["bounds"] = _bench(b_)
+        ms["pool"] = _bench(p_)
+        ms["topk"] = _bench(t_)
+        ms["topk_halving"] = _bench(lambda: t_(interpolate=False))
+        ms["topk_interpolating"] = _bench(lambda: t_(interpolate=True))
+        if stages:
+            ms["topk_nosearch"] = _bench(lambda: t_(search=False))
+            ms["topk_nooutput"] = _bench(lambda: t_(output=False))
+            ms["topk_norange"] = _bench(lambda: t_(rng=False))
+            ms["topk_load_only"] = _bench(lambda: t_(search=False, output=False, rng=False))
+            for w in (4, 8, 16):
+                ms[f"topk_w{w}"] = _bench(lambda: t_(warps=w))
+            ms["empty_graph_kernel"] = _bench(lambda: steps.add_(0))
+    row["us"] = ms
+    return row
+
+
+def random_rows() -> list:
+    rows = []
+    for shape, (Hq, Hkv, D) in {"llama-3.1-8b": (32, 8, 128), "qwen3-1.7b": (16, 8, 128)}.items():
+        for length in (131072, 262144):
+            torch.manual_seed(0)
+            opts = dict(device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(1, Hq, D, **opts)
+            k = torch.randn(1, Hkv, length, D, **opts)
+            # Real keys are not iid: give each 512-token span a shared direction so block scores spread.
+            k += 2 * torch.randn(1, Hkv, length // 512, 1, D, **opts).expand(-1, -1, -1, 512, -1).reshape(
+                1, Hkv, length, D)
+            NB = length // 16
+            kmax, kmin, kmean = (torch.empty(1, Hkv, NB, D, **opts) for _ in range(3))
+            n = torch.tensor([length], device="cuda")
+            update_block_descriptors(k, kmax, kmin, n, length, 16, kmean)
+            row = dict(shape=shape, length=length, **measure(q, kmax, kmin, kmean, n, D ** -0.5))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def engine_rows(model: str, length: str) -> list:
+    """Every layer's selection inputs in one eager decode step of the shipped resa profile, after a prefill."""
+    from engines import ENGINES
+    from engines.decoding import Sampler, swapped
+    from longctx_cli.home import longctx_home
+    from longctx_cli.models import load_model
+    from longctx_cli.profiles import resolve_profile
+    from longctx_cli.units import parse_count
+    import kernels.block_select as block_select
+
+    lm = load_model(model, device="cuda", dtype="bfloat16")
+    prof = resolve_profile("resa", {})
+    engine = ENGINES[prof.engine](lm, prof.engine_config, prof.run, home=longctx_home())
+    if engine.config.rule != RULE:
+        raise SystemExit(f"the shipped profile's rule {engine.config.rule} is not the breakdown's {RULE}")
+    torch.manual_seed(0)
+    state = engine.prefill(torch.randint(1000, 20000, (parse_count(length),)), reserve=64)
+    seen = []
+    shipped = sel.select_blocks_triton
+
+    def keep(q, kmax, kmin, n, **kw):
+        seen.append((q.clone(), kmax.clone(), kmin.clone(), kw["kmean"].clone(), n.clone(), kw["scale"]))
+        return shipped(q, kmax, kmin, n, **kw)
+    rows = []
+    with torch.inference_mode():
+        step = engine._decode_step(state, Sampler())
+        step.start(1234, state.position)
+        block_select._triton_impl.cache_clear()
+        sel.select_blocks_triton = keep
+        try:
+            with swapped(step.blocks):
+                step._step()
+        finally:
+            sel.select_blocks_triton = shipped
+            block_select._triton_impl.cache_clear()
+        torch.cuda.synchronize()
+        for layer, (q, kmax, kmin, kmean, n, scale) in enumerate(seen):
+            NB = triton.cdiv(int(n.item()), 16)  # the blocks in use (the cache's capacity holds the answer room)
+            d = [t[:, :, :NB].contiguous() for t in (kmax, kmin, kmean)]
+            row = dict(model=model, length=length, layer=layer, **measure(q.contiguous(), *d, n, scale, stages=False))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", help="a random-weight model (random:PRESET): its own queries and descriptors")
+    ap.add_argument("--length", default="128k")
+    a = ap.parse_args()
+    rows = engine_rows(a.engine, a.length) if a.engine else random_rows()
+    name = "topk_engine.json" if a.engine else "topk_diag.json"
+    Path(os.environ.get("OUT", "."), name).write_text(json.dumps({
+        "command": "python benchmarks/resa_topk_breakdown.py " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "rows": rows}, indent=1))
