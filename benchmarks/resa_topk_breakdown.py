@@ -1,7 +1,7 @@
 """Where resa's block selection spends its time in one decode step, per layer: the bound kernel, the softmax pool
 and the top-k, and the top-k's stages (load, key range, search, output), each timed by switching the others
-off in a copy of the shipped top-k program, plus warps per program and the search's two probe rules (halving,
-interpolating) with their step counts. Two sources of descriptors and queries: random keys with a shared
+off in a copy of the shipped top-k program, plus warps per program and the search's step count per head. Two
+sources of descriptors and queries: random keys with a shared
 direction per 512-token span (so block scores spread), the Llama-3.1-8B and Qwen3-1.7B attention shapes, 128K
 and 256K tokens; and with --engine, a random-weight model's own (every layer's query and descriptors in one
 decode step after a prefill of random tokens). The shipped rule (softmax pooling + centroid, 10%, floor 1,024
@@ -26,19 +26,17 @@ from kernels.block_select.reference import select_blocks as ref_select
 @triton.jit
 def _topk_variant(Scores, Length, Out, Steps, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
                   BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr,
-                  SEARCH: tl.constexpr, OUTPUT: tl.constexpr, RANGE: tl.constexpr, INTERPOLATE: tl.constexpr):
+                  SEARCH: tl.constexpr, OUTPUT: tl.constexpr, RANGE: tl.constexpr):
     """The shipped resident top-k (kernels/block_select/triton_topk.py) from its own parts, each switchable."""
     pid_bh, k, offs_a, in_a, key_a, offs_b, in_b, key_b = _resident_row(
         Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK, NB_MAIN, NB_REST)
     if RANGE:
-        lo, hi, at_lo, at_hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
+        lo, hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
     else:
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483648, tl.int64)
-        at_lo = tl.sum(in_a.to(tl.int32), 0) + tl.sum(in_b.to(tl.int32), 0)
-        at_hi = tl.zeros([], dtype=tl.int32)
     if SEARCH:
-        thr, steps = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, at_lo, at_hi, INTERPOLATE, True)
+        thr, steps = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, True)
     else:
         thr, steps = lo.to(tl.int32), tl.zeros([], dtype=tl.int32)
     tl.store(Steps + pid_bh, steps)
@@ -86,24 +84,20 @@ def measure(q, kmax, kmin, kmean, n, scale, stages=True) -> dict:
     steps = torch.zeros(Hkv, device="cuda", dtype=torch.int32)
     main = max(16, 1 << (NB.bit_length() - 1)); rest = max(16, triton.next_power_of_2(max(1, NB - main)))
 
-    def t_(search=True, output=True, rng=True, warps=None, interpolate=sel._INTERPOLATE):
+    def t_(search=True, output=True, rng=True, warps=None):
         _topk_variant[(Hkv,)](scores, n, out, steps, NB, width, num, den, RULE.min_blocks, Hkv, BLOCK=16,
             NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)),
-            SEARCH=search, OUTPUT=output, RANGE=rng, INTERPOLATE=interpolate,
+            SEARCH=search, OUTPUT=output, RANGE=rng,
             num_warps=warps or min(16, max(4, triton.next_power_of_2((main + rest) // 1024))))
     row = dict(n_blocks=NB, width=width, agree_with_reference=(got == ref).float().mean().item())
-    for rule_name, interpolate in (("halving", False), ("interpolating", True)):
-        t_(interpolate=interpolate)
-        row[f"variant_equals_shipped_{rule_name}"] = torch.equal(out, got)
-        row[f"steps_{rule_name}"] = steps.tolist()
+    t_()
+    row.update(variant_equals_shipped=torch.equal(out, got), steps=steps.tolist())
     ms = {}
     with torch.cuda.stream(torch.cuda.Stream()):
         ms["select_full"] = _bench(full)
         ms["bounds"] = _bench(b_)
         ms["pool"] = _bench(p_)
         ms["topk"] = _bench(t_)
-        ms["topk_halving"] = _bench(lambda: t_(interpolate=False))
-        ms["topk_interpolating"] = _bench(lambda: t_(interpolate=True))
         if stages:
             ms["topk_nosearch"] = _bench(lambda: t_(search=False))
             ms["topk_nooutput"] = _bench(lambda: t_(output=False))

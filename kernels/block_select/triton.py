@@ -29,8 +29,6 @@ _SELECT_TILE = 2048  # scores per pass step of the selection program (long conte
 # Up to this many blocks (512K tokens of 16) one program holds a head's scores in registers for the search.
 # 16,384 was too tight: a 256K-token document plus its answer room (16,389 blocks) fell to the multipass kernel.
 _RESIDENT_MAX = 32768
-# The resident top-k's search probes by interpolating the counts at its two ends (else it halves every step).
-_INTERPOLATE = True
 _LOG2E = 1.4426950408889634
 
 
@@ -211,7 +209,6 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
             _block_topk_resident_kernel[(B * Hkv,)](
                 scores, length, out, NB, width, num, den, rule.min_blocks, Hkv,
                 BLOCK=block_size, NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)),
-                INTERPOLATE=_INTERPOLATE,
                 # A power of two (Triton's rule): 4,096 + 1,024 blocks gave 5 warps and failed to compile.
                 num_warps=_TOPK_WARPS or min(16, max(4, triton.next_power_of_2((main + rest) // 1024))),
             )

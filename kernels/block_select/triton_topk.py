@@ -117,46 +117,28 @@ def _resident_row(Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks
 @triton.jit
 def _resident_bracket(key_a, in_a, key_b, in_b, k):
     """Bracket the search by the keys present (+inf marks the blocks always kept): lo = the smallest key, hi = one
-    past the largest finite key unless k blocks reach it. Also how many blocks score at or above each end."""
+    past the largest finite key unless k blocks reach it."""
     low_a, high_a, n_inf_a = _key_range(key_a, in_a)
     low_b, high_b, n_inf_b = _key_range(key_b, in_b)
     lo = tl.minimum(low_a, low_b).to(tl.int64)
     top = tl.maximum(tl.maximum(high_a, high_b).to(tl.int64), lo) + 1
-    n_inf = n_inf_a + n_inf_b
-    at_lo = tl.sum(in_a.to(tl.int32), 0) + tl.sum(in_b.to(tl.int32), 0)
-    return lo, tl.where(n_inf < k, top, 2147483648), at_lo, tl.where(n_inf < k, n_inf, 0)
+    return lo, tl.where(n_inf_a + n_inf_b < k, top, 2147483648)
 
 
 @triton.jit
-def _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, at_lo, at_hi, INTERPOLATE: tl.constexpr,
-                     COUNT: tl.constexpr):
-    """(threshold, steps): narrows [lo, hi), count(key >= lo) >= k > count(key >= hi), and stops as soon as
-    exactly k blocks score >= the probe (the probe is then as good a threshold as the k-th key: the output takes
-    every tie of it). INTERPOLATE probes where the counts at the two ends put k by a straight line (Illinois
-    rule: an end kept twice in a row weighs half), and halves after a probe that did not halve the range;
-    otherwise every probe halves. Steps are counted only with COUNT (the selection breakdown's)."""
-    count = tl.where(at_lo == k, k, -1).to(tl.int32)
+def _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, COUNT: tl.constexpr):
+    """(threshold, steps): halves [lo, hi) and stops as soon as exactly k blocks score >= mid (mid is then as good
+    a threshold as the k-th key: the output takes every tie of it). Steps are counted only with COUNT (the
+    selection breakdown's); the shipped kernel's loop carries nothing more."""
+    count = tl.full([], -1, tl.int32)
     steps = tl.zeros([], dtype=tl.int32)
-    w_lo = (at_lo - k).to(tl.float64)
-    w_hi = (k - at_hi).to(tl.float64)
-    kept = tl.zeros([], dtype=tl.int32)  # +1: hi was kept by the last probe, -1: lo was
-    halve = tl.zeros([], dtype=tl.int32)
     while (hi - lo > 1) & (count != k):
-        span = hi - lo
-        mid = lo + (span >> 1)
-        if INTERPOLATE:
-            guess = lo + (span.to(tl.float64) * (w_lo / (w_lo + w_hi))).to(tl.int64)
-            mid = tl.where(halve != 0, mid, tl.minimum(tl.maximum(guess, lo + 1), hi - 1))
+        mid = (lo + hi) >> 1
         m32 = mid.to(tl.int32)
         count = tl.sum(((key_a >= m32) & in_a).to(tl.int32), 0) + tl.sum(((key_b >= m32) & in_b).to(tl.int32), 0)
         enough = count >= k
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid)
-        if INTERPOLATE:
-            w_hi = tl.where(enough, tl.where(kept == 1, w_hi * 0.5, w_hi), (k - count).to(tl.float64))
-            w_lo = tl.where(enough, (count - k).to(tl.float64), tl.where(kept == -1, w_lo * 0.5, w_lo))
-            kept = tl.where(enough, 1, -1)
-            halve = ((hi - lo) * 2 > span).to(tl.int32)
         if COUNT:
             steps += 1
     return lo.to(tl.int32), steps
@@ -189,12 +171,11 @@ def _resident_store(out_row, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, k, w
 def _block_topk_resident_kernel(
     Scores, Length, Out, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
     BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr,
-    INTERPOLATE: tl.constexpr,
 ):
     """_block_topk_kernel for up to NB_MAIN + NB_REST blocks: the scores are loaded once and searched in
     registers, as two power-of-two parts (16,389 blocks are 16,384 + 16 rather than 32,768)."""
     pid_bh, k, offs_a, in_a, key_a, offs_b, in_b, key_b = _resident_row(
         Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK, NB_MAIN, NB_REST)
-    lo, hi, at_lo, at_hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
-    thr, _ = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, at_lo, at_hi, INTERPOLATE, False)
+    lo, hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
+    thr, _ = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, False)
     _resident_store(Out + pid_bh * width, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, k, width, W_PAD)
