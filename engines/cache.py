@@ -5,7 +5,7 @@ layer's own device the first time it writes (so accelerate's device_map across G
 Where a token goes is decided by the cache, not by transformers:
 - prefill: the engine calls `begin_chunk(offset)`; the chunk's K/V land at `[offset, offset + T)` (host ints);
 - decode: the engine calls `begin_decode(pos, length)` with device tensors; K/V land at `pos` via
-  `index_copy_`, so a decode step has static shapes and never reads a position on the host (CUDA-graph safe).
+  one launch (kernels/kv_append, two `index_copy_` calls on CPU), so a decode step has static shapes and never reads a position on the host (CUDA-graph safe).
 The attention function receives the cache as the `longctx` keyword and reads `offset` / `length` from it.
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kernels.kv_append import append_kv
 
 
 def layer_types(config) -> list[str]:
@@ -71,9 +73,7 @@ class StaticKVLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         owner = self.owner
         if owner.decoding:
-            pos = owner.position_on(self.device)
-            self.keys.index_copy_(2, pos, key_states)
-            self.values.index_copy_(2, pos, value_states)
+            append_kv(self.keys, self.values, key_states, value_states, owner.position_on(self.device))
         else:
             end = owner.offset + key_states.shape[2]
             if end > self.capacity:

@@ -2,9 +2,10 @@
 
 - Prefill: dense and chunked, as `dense`; every chunk also refreshes the min/max key descriptors of the blocks
   it wrote (kernels/block_descriptors).
-- Decode, on every full-attention layer: the new key updates its block's descriptors, the GQA group's mean
-  query scores all blocks with Quest's bound and keeps the top k (the local blocks always; kernels/block_select),
-  and attention reads only those blocks (kernels/sparse_decode_attention). Sliding-window layers (Gemma 3)
+- Decode, on every full-attention layer: the new key updates its block's descriptors (in the launch that writes
+  its K/V, kernels/kv_append), the GQA group's mean query scores all blocks with Quest's bound and keeps the top
+  k (the local blocks always; kernels/block_select), and attention reads only those blocks
+  (kernels/sparse_decode_attention). Sliding-window layers (Gemma 3)
   stay exact: they already read only their window.
 - Rectification: every `rectify_every` decoded tokens, those tokens go through the model again in one dense
   pass (kernels/decode_attention with T queries) that overwrites their K/V and descriptors; its logits are
@@ -27,6 +28,7 @@ from kernels.block_descriptors import update_block_descriptors
 from kernels.block_select import select_blocks
 from kernels.chunk_attention import chunk_attention, chunk_attention_backend
 from kernels.decode_attention import decode_attention, decode_backend
+from kernels.kv_append import append_kv
 from kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_backend
 
 
@@ -41,6 +43,17 @@ class ResaKVLayer(StaticKVLayer):
             self.kmax = torch.zeros(batch, heads, n_blocks, dim, dtype=self.dtype, device=self.device)
             self.kmin = torch.zeros_like(self.kmax)
             self.kmean = torch.zeros_like(self.kmax) if self.owner.rule.centroid else None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """A decode step's one new token on a full-attention layer: K/V written and its block's descriptors
+        refreshed in one launch; anything else as the static layer does (the attention describes it)."""
+        owner = self.owner
+        if not (owner.decoding and self.is_initialized and not self.is_sliding and key_states.shape[2] == 1):
+            return super().update(key_states, value_states, *args, **kwargs)
+        append_kv(self.keys, self.values, key_states, value_states, owner.position_on(self.device),
+                  descriptors=(self.kmax, self.kmin, self.kmean), length=owner.length_on(self.device),
+                  block_size=owner.block_size)
+        return self.keys, self.values
 
     def nbytes(self) -> int:
         extra = 0
@@ -120,8 +133,8 @@ class ResaEngine(Engine):
                 _describe(layer, key, length, n_new, longctx.block_size)
             out = decode_attention(query, key, value, length, scale=scaling, window=sliding_window)
             return out.transpose(1, 2), None
+        # The new key's block descriptors were refreshed with its K/V write (ResaKVLayer.update).
         start = time.perf_counter()
-        _describe(layer, key, length, 1, longctx.block_size)
         blocks = select_blocks(query[:, :, 0], layer.kmax, layer.kmin, length, block_size=longctx.block_size,
                                rule=longctx.rule, width=longctx.width, scale=scaling, kmean=layer.kmean)
         start = _clock(longctx, "estimation_s", start)
