@@ -4,8 +4,9 @@
 
 For each model shape and context length (B=1, bf16, a buffer the size of the context): dense decode attention
 (the Triton split-KV kernel), resa's estimation (descriptor update + block scores + top-k) and sparse
-attention (block-sparse kernel + merge), and the rectification attention (32 queries over the whole cache)
-amortised over 32 steps, for our few-query kernel and for SDPA with an explicit mask. Times are medians of
+attention (block-sparse kernel + merge), the new token's K/V write with its block's descriptor refresh (one
+kv_append launch against two index_copy_ calls and the descriptor kernel), and the rectification attention (32
+queries over the whole cache) amortised over 32 steps, for our few-query kernel and for SDPA with an explicit mask. Times are medians of
 CUDA-graph replays (triton.testing.do_bench_cudagraph), in ms, so launch overhead is excluded as in decoding.
 """
 
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.block_descriptors import update_block_descriptors  # noqa: E402
 from kernels.block_select import KeepRule, select_blocks  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.kv_append import append_kv  # noqa: E402
 from kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
 
 # name: (Hq, Hkv, D)
@@ -59,6 +61,14 @@ def bench(shape: str, length: int, rule: KeepRule) -> dict:
     pos = torch.arange(length, device="cuda")
     rect_mask = pos[None, :] <= (length - RECTIFY + torch.arange(RECTIFY, device="cuda"))[:, None]
 
+    k_new, v_new = torch.randn(1, Hkv, 1, D, **opts), torch.randn(1, Hkv, 1, D, **opts)
+    last = n - 1
+
+    def kv_write_separate():
+        k.index_copy_(2, last, k_new)
+        v.index_copy_(2, last, v_new)
+        update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, kmean)
+
     def estimation():
         update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, kmean)
         select()
@@ -68,6 +78,9 @@ def bench(shape: str, length: int, rule: KeepRule) -> dict:
         "estimation": estimation,
         "descriptor_update": lambda: update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, kmean),
         "select": select,
+        "kv_write_and_descriptors_separate": kv_write_separate,
+        "kv_write_and_descriptors_fused": lambda: append_kv(k, v, k_new, v_new, last, descriptors=(kmax, kmin, kmean),
+                                                            length=n, block_size=BLOCK),
         "sparse_attention": lambda: sparse_decode_attention(q, k, v, blocks, n, block_size=BLOCK, scale=scale),
         "rectify_attention_triton": lambda: decode_attention(q_rect, k, v, n, scale=scale),
         "rectify_attention_sdpa": lambda: F.scaled_dot_product_attention(
