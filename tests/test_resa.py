@@ -67,7 +67,8 @@ def _dense_kv(lm, ids: torch.Tensor):
 
 def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
     """After a rectification the rewritten K/V equal a dense encoding of the same tokens, descriptors match
-    a rebuild; without rectification the sparse-written K/V differ (so the check is not vacuous)."""
+    a rebuild; without rectification the sparse-written K/V differ (so the check is not vacuous), and their
+    descriptors, written by the decode steps alone, match a rebuild too."""
     doc, question = story_ids(lm, story_text, 1000)
     # The same 16 tokens fed through 16 decode steps of both runs (teacher forcing): one rectification with
     # rectify_every=16, none with 0.
@@ -91,14 +92,21 @@ def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
         errors[every] = worst
     assert errors[16] < 1e-4, errors
     assert errors[0] > 1e-3, errors
-    for layer in state.cache.layers:
-        if layer.is_sliding:
-            continue
-        kmax, kmin = layer.kmax.clone(), layer.kmin.clone()
-        end = start + 16
-        update_block_descriptors_reference(layer.keys, kmax, kmin, torch.tensor([end]), end, 16)
-        assert torch.equal(kmax[:, :, : cdiv(end, 16)], layer.kmax[:, :, : cdiv(end, 16)])
-        assert torch.equal(kmin[:, :, : cdiv(end, 16)], layer.kmin[:, :, : cdiv(end, 16)])
+    # Descriptors match a rebuild from the cached keys: after the rectification's rewrite, and where only the
+    # decode steps wrote them (refreshed inside the K/V write, kernels/kv_append).
+    end = start + 16
+    for st in states.values():
+        for layer in st.cache.layers:
+            if layer.is_sliding:
+                continue
+            kmax, kmin = layer.kmax.clone(), layer.kmin.clone()
+            kmean = None if layer.kmean is None else layer.kmean.clone()
+            update_block_descriptors_reference(layer.keys, kmax, kmin, torch.tensor([end]), end, 16, kmean)
+            used = cdiv(end, 16)
+            assert torch.equal(kmax[:, :, :used], layer.kmax[:, :, :used])
+            assert torch.equal(kmin[:, :, :used], layer.kmin[:, :, :used])
+            if kmean is not None:
+                torch.testing.assert_close(kmean[:, :, :used], layer.kmean[:, :, :used])
 
 
 @pytest.mark.parametrize("key,value,message", [
