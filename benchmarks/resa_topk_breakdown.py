@@ -1,12 +1,11 @@
 """Where resa's block selection spends its time in one decode step, per layer: the bound kernel, the softmax pool
-and the top-k, and the top-k's stages (load, key range, search, output), each timed by switching the others
-off in a copy of the shipped top-k program, plus warps per program and the search's step count per head. Two
-sources of descriptors and queries: random keys with a shared
-direction per 512-token span (so block scores spread), the Llama-3.1-8B and Qwen3-1.7B attention shapes, 128K
-and 256K tokens; and with --engine, a random-weight model's own (every layer's query and descriptors in one
-decode step after a prefill of random tokens). The shipped rule (softmax pooling + centroid, 10%, floor 1,024
-blocks). Checks that the copy selects what the shipped kernel selects, and the shipped kernel what the reference
-selects. Speed only.
+and the top-k, and the top-k's stages (load, key range, search, output), each timed by switching the others off
+in a copy of the shipped top-k program, plus warps per program and the search's step count per head. Two sources
+of descriptors and queries: random keys with a shared direction per 512-token span (so block scores spread), the
+Llama-3.1-8B and Qwen3-1.7B attention shapes, 128K and 256K tokens; and with --engine, a random-weight model's own
+(every layer's query and descriptors in one decode step after a prefill of random tokens). The shipped rule
+(softmax pooling + centroid, 10%, floor 1,024 blocks). Checks that the copy selects what the shipped kernel
+selects, and the shipped kernel what the reference selects. Speed only.
 
     python benchmarks/resa_topk_breakdown.py          # writes $OUT/topk_diag.json (or ./topk_diag.json)
     python benchmarks/resa_topk_breakdown.py --engine random:qwen3-1.7b --length 128k   # $OUT/topk_engine.json
@@ -103,7 +102,7 @@ def measure(q, kmax, kmin, kmean, n, scale, stages=True) -> dict:
             ms["topk_nooutput"] = _bench(lambda: t_(output=False))
             ms["topk_norange"] = _bench(lambda: t_(rng=False))
             ms["topk_load_only"] = _bench(lambda: t_(search=False, output=False, rng=False))
-            for w in (4, 8, 16):
+            for w in (4, 8, 16, 32):
                 ms[f"topk_w{w}"] = _bench(lambda: t_(warps=w))
             ms["empty_graph_kernel"] = _bench(lambda: steps.add_(0))
     row["us"] = ms
