@@ -27,7 +27,7 @@ from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.block_descriptors import update_block_descriptors  # noqa: E402
-from kernels.block_select import KeepRule, select_blocks  # noqa: E402
+from kernels.block_select import KeepRule, new_histogram, select_blocks  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
 from kernels.kv_append import append_kv  # noqa: E402
 from kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
@@ -52,9 +52,11 @@ def bench(shape: str, length: int, rule: KeepRule) -> dict:
     update_block_descriptors(k, kmax, kmin, n, length, BLOCK, kmean)
     width = rule.keep(n_blocks)
     scale = D**-0.5
+    histogram = new_histogram(1, Hkv, "cuda")  # as the engine calls it
 
     def select():
-        return select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale, kmean=kmean)
+        return select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale, kmean=kmean,
+                             histogram=histogram)
 
     blocks = select()
     q_rect = torch.randn(1, Hq, RECTIFY, D, **opts)

@@ -1,6 +1,7 @@
 """Where resa's block selection spends its time in one decode step, per layer: the bound kernel, the softmax pool
 and the top-k, and the top-k's stages (load, key range, search, output), each timed by switching the others off
-in a copy of the shipped top-k program, plus warps per program and the search's step count per head. Two sources
+in a copy of the shipped top-k program, plus warps per program and the search's step count per head, with the
+search bracketed by the scores' range and by the bin of their histogram (as the engine runs it). Two sources
 of descriptors and queries: random keys with a shared direction per 512-token span (so block scores spread), the
 Llama-3.1-8B and Qwen3-1.7B attention shapes, 128K and 256K tokens; and with --engine, a random-weight model's own
 (every layer's query and descriptors in one decode step after a prefill of random tokens). The shipped rule
@@ -16,31 +17,34 @@ import torch, triton, triton.language as tl
 from triton.testing import do_bench_cudagraph
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels.block_select.triton as sel
-from kernels.block_select.triton_topk import _resident_bracket, _resident_row, _resident_search, _resident_store
+from kernels.block_select.triton_topk import _bracket, _resident_row, _resident_search, _resident_store
 from kernels.block_descriptors import update_block_descriptors
-from kernels.block_select import KeepRule
+from kernels.block_select import KeepRule, new_histogram
 from kernels.block_select.reference import select_blocks as ref_select
 
 
 @triton.jit
-def _topk_variant(Scores, Length, Out, Steps, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
-                  BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr,
-                  SEARCH: tl.constexpr, OUTPUT: tl.constexpr, RANGE: tl.constexpr):
+def _topk_variant(Scores, Length, Out, Steps, Hist, n_blocks_cap, width, ratio_num, ratio_den, min_blocks,
+                  n_kv_heads, BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr,
+                  W_PAD: tl.constexpr, SEARCH: tl.constexpr, OUTPUT: tl.constexpr, RANGE: tl.constexpr,
+                  HIST: tl.constexpr):
     """The shipped resident top-k (kernels/block_select/triton_topk.py) from its own parts, each switchable."""
-    pid_bh, k, offs_a, in_a, key_a, offs_b, in_b, key_b = _resident_row(
+    pid_bh, n_blocks, k, offs_a, in_a, key_a, offs_b, in_b, key_b = _resident_row(
         Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK, NB_MAIN, NB_REST)
     if RANGE:
-        lo, hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
+        lo, hi, count = _bracket(Hist, pid_bh, n_blocks, k, key_a, in_a, key_b, in_b, HIST)
     else:
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483648, tl.int64)
+        count = tl.full([], -1, tl.int32)
     if SEARCH:
-        thr, steps = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, True)
+        thr, exact, steps = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, count, True)
     else:
-        thr, steps = lo.to(tl.int32), tl.zeros([], dtype=tl.int32)
+        thr, exact, steps = lo.to(tl.int32), count == k, tl.zeros([], dtype=tl.int32)
     tl.store(Steps + pid_bh, steps)
     if OUTPUT:
-        _resident_store(Out + pid_bh * width, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, k, width, W_PAD)
+        _resident_store(Out + pid_bh * width, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, exact, k, width,
+                        W_PAD)
     else:
         tl.store(Out + pid_bh * width, thr)
 
@@ -53,7 +57,8 @@ def _bench(fn) -> float:
 
 
 def measure(q, kmax, kmin, kmean, n, scale, stages=True) -> dict:
-    """One layer's selection: q [1, Hq, D], descriptors [1, Hkv, NB, D], n [1]. Times (µs), search steps per head."""
+    """One layer's selection: q [1, Hq, D], descriptors [1, Hkv, NB, D], n [1]. Times (µs), search steps per head
+    (bracketed by the scores' range, and by the histogram's bin: steps_hist)."""
     Hq, D = q.shape[1:]
     Hkv, NB = kmax.shape[1:3]
     width = RULE.keep(NB)
@@ -75,29 +80,41 @@ def measure(q, kmax, kmin, kmean, n, scale, stages=True) -> dict:
             scale * sel._LOG2E, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2),
             GROUP=group, G_DOT=16, HEAD_DIM=D, BLOCK=16, TILE=tile, CENTROID=True, IEEE=False, num_warps=4)
 
-    def p_():
-        sel._softmax_pool_kernel[(Hkv, n_tiles)](bounds, tmax, tsum, n, scores, Hkv, NB, n_tiles, 1, 1, GROUP=group,
-            BLOCK=16, TILE=tile, NT_PAD=max(16, triton.next_power_of_2(n_tiles)), num_warps=4)
+    hist = new_histogram(1, Hkv, "cuda")
+
+    def p_(with_hist=False):
+        sel._softmax_pool_kernel[(Hkv, n_tiles)](bounds, tmax, tsum, n, scores, hist, Hkv, NB, n_tiles, 1, 1,
+            GROUP=group, BLOCK=16, TILE=tile, NT_PAD=max(16, triton.next_power_of_2(n_tiles)), HIST=with_hist,
+            num_warps=4)
     b_(); p_()
     out = torch.empty(1, Hkv, width, device="cuda", dtype=torch.int32)
     steps = torch.zeros(Hkv, device="cuda", dtype=torch.int32)
     main = max(16, 1 << (NB.bit_length() - 1)); rest = max(16, triton.next_power_of_2(max(1, NB - main)))
 
-    def t_(search=True, output=True, rng=True, warps=None):
-        _topk_variant[(Hkv,)](scores, n, out, steps, NB, width, num, den, RULE.min_blocks, Hkv, BLOCK=16,
+    def t_(search=True, output=True, rng=True, warps=None, with_hist=False):
+        _topk_variant[(Hkv,)](scores, n, out, steps, hist, NB, width, num, den, RULE.min_blocks, Hkv, BLOCK=16,
             NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)),
-            SEARCH=search, OUTPUT=output, RANGE=rng,
+            SEARCH=search, OUTPUT=output, RANGE=rng, HIST=with_hist,
             num_warps=warps or min(16, max(4, triton.next_power_of_2((main + rest) // 1024))))
     row = dict(n_blocks=NB, width=width, agree_with_reference=(got == ref).float().mean().item())
     t_()
     row.update(variant_equals_shipped=torch.equal(out, got), steps=steps.tolist())
+    p_(True); t_(with_hist=True)
+    row.update(hist_variant_equals_shipped=torch.equal(out, got), steps_hist=steps.tolist(),
+               hist_left_zero=not hist.any().item())
+    hist_args = dict(args, histogram=hist)
+    row["shipped_with_hist_equals_without"] = torch.equal(sel.select_blocks_triton(q, kmax, kmin, n, **hist_args), got)
     ms = {}
     with torch.cuda.stream(torch.cuda.Stream()):
+        ms["select_full_hist"] = _bench(lambda: sel.select_blocks_triton(q, kmax, kmin, n, **hist_args))
         ms["select_full"] = _bench(full)
         ms["bounds"] = _bench(b_)
         ms["pool"] = _bench(p_)
         ms["topk"] = _bench(t_)
+        ms["pool_topk"] = _bench(lambda: (p_(), t_()))
+        ms["pool_topk_hist"] = _bench(lambda: (p_(True), t_(with_hist=True)))
         if stages:
+            ms["pool_hist_no_topk"] = _bench(lambda: p_(True))
             ms["topk_nosearch"] = _bench(lambda: t_(search=False))
             ms["topk_nooutput"] = _bench(lambda: t_(output=False))
             ms["topk_norange"] = _bench(lambda: t_(rng=False))
@@ -105,6 +122,7 @@ def measure(q, kmax, kmin, kmean, n, scale, stages=True) -> dict:
             for w in (4, 8, 16, 32):
                 ms[f"topk_w{w}"] = _bench(lambda: t_(warps=w))
             ms["empty_graph_kernel"] = _bench(lambda: steps.add_(0))
+        hist.zero_()
     row["us"] = ms
     return row
 

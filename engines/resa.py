@@ -25,7 +25,7 @@ from engines.cache import StaticKVCache, StaticKVLayer, full_layers, kv_token_by
 from engines.decoding import StaticForward
 from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors
-from kernels.block_select import select_blocks
+from kernels.block_select import HIST_BINS, new_histogram, select_blocks
 from kernels.chunk_attention import chunk_attention, chunk_attention_backend
 from kernels.decode_attention import decode_attention, decode_backend
 from kernels.kv_append import append_kv
@@ -33,7 +33,8 @@ from kernels.sparse_decode_attention import sparse_decode_attention, sparse_deco
 
 
 class ResaKVLayer(StaticKVLayer):
-    """A static KV layer that, on full-attention layers, also holds the block descriptors [B, Hkv, NB, D]."""
+    """A static KV layer that, on full-attention layers, also holds the block descriptors [B, Hkv, NB, D] and
+    the selection's score histogram (scratch kept zeroed between steps, kernels/block_select)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -43,6 +44,7 @@ class ResaKVLayer(StaticKVLayer):
             self.kmax = torch.zeros(batch, heads, n_blocks, dim, dtype=self.dtype, device=self.device)
             self.kmin = torch.zeros_like(self.kmax)
             self.kmean = torch.zeros_like(self.kmax) if self.owner.rule.centroid else None
+            self.score_bins = new_histogram(batch, heads, self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """A decode step's one new token on a full-attention layer: K/V written and its block's descriptors
@@ -58,7 +60,7 @@ class ResaKVLayer(StaticKVLayer):
     def nbytes(self) -> int:
         extra = 0
         if self.is_initialized and not self.is_sliding:
-            extra = sum(t.nbytes for t in (self.kmax, self.kmin, self.kmean) if t is not None)
+            extra = sum(t.nbytes for t in (self.kmax, self.kmin, self.kmean, self.score_bins) if t is not None)
         return super().nbytes() + extra
 
 
@@ -136,7 +138,8 @@ class ResaEngine(Engine):
         # The new key's block descriptors were refreshed with its K/V write (ResaKVLayer.update).
         start = time.perf_counter()
         blocks = select_blocks(query[:, :, 0], layer.kmax, layer.kmin, length, block_size=longctx.block_size,
-                               rule=longctx.rule, width=longctx.width, scale=scaling, kmean=layer.kmean)
+                               rule=longctx.rule, width=longctx.width, scale=scaling, kmean=layer.kmean,
+                               histogram=layer.score_bins)
         start = _clock(longctx, "estimation_s", start)
         out = sparse_decode_attention(query[:, :, 0], key, value, blocks, length, block_size=longctx.block_size,
                                       scale=scaling)
@@ -152,12 +155,14 @@ class ResaEngine(Engine):
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None, *, chunk_size: int,
                     reserve: int) -> int:
         """The KV cache plus, on full-attention layers, max and min descriptors: 2/block_size of the keys (and
-        the mean: 3/block_size, with centroid)."""
+        the mean: 3/block_size, with centroid), and the selection's histogram (int32, HIST_BINS per KV head)."""
         cfg = engine_config or ResaConfig()
         n_blocks = cdiv(n_tokens, cfg.block_size)
         # A block's max and min keys together take the bytes of one token's K and V; the mean half of that.
         descriptors = len(full_layers(model_config)) * kv_token_bytes(model_config, dtype_bytes) * n_blocks
         descriptors += descriptors // 2 if cfg.centroid else 0
+        kv_heads = model_config.get_text_config(decoder=True).num_key_value_heads
+        descriptors += len(full_layers(model_config)) * kv_heads * HIST_BINS * 4
         return super().memory_plan(model_config, n_tokens, dtype_bytes, chunk_size=chunk_size,
                                    reserve=reserve) + descriptors
 

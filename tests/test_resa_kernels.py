@@ -7,12 +7,14 @@ Triton's interpreter where Triton is installed).
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors_reference as update_ref
-from kernels.block_select import KeepRule, block_scores
+from kernels.block_select import HIST_BINS, KeepRule, block_scores, new_histogram, select_blocks
 from kernels.block_select import select_blocks_reference as select_ref
 from kernels.decode_attention import decode_attention_reference as dense_ref
 from kernels.lse_combine import combine_splits_reference, merge_partials
@@ -354,9 +356,10 @@ def test_select_triton_matches_reference(D, group, L, pooling):
                 torch.testing.assert_close(ka, kr, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("hist", [False, True], ids=["range", "hist"])
 @pytest.mark.parametrize("n_blocks", [40, 1000, 5000], ids=lambda n: f"NB{n}")
 @pytest.mark.triton
-def test_select_triton_breaks_ties_by_lowest_index(n_blocks):
+def test_select_triton_breaks_ties_by_lowest_index(n_blocks, hist):
     """Scores with heavy ties (4 distinct values, negatives and zero included): the kernel keeps every block
     above the k-th largest score and the lowest-indexed blocks among those equal to it, however the blocks
     split into the two resident parts (5,000 = 4,096 + 1,024 also once picked a warp count Triton rejects)."""
@@ -372,7 +375,8 @@ def test_select_triton_breaks_ties_by_lowest_index(n_blocks):
     rule = KeepRule(0.1, 16, 1)
     width = rule.keep(n_blocks) + 3
     args = [t.to(DEVICE) for t in (q, kmax, kmax.clone(), length)]
-    got = select_blocks_triton(*args, block_size=BS, rule=rule, width=width).cpu()
+    histogram = new_histogram(1, 2, DEVICE) if hist else None
+    got = select_blocks_triton(*args, block_size=BS, rule=rule, width=width, histogram=histogram).cpu()
     k = rule.keep(n_blocks)
     for h in range(2):
         score = level[0, h].clone()
@@ -384,8 +388,9 @@ def test_select_triton_breaks_ties_by_lowest_index(n_blocks):
 
 @pytest.mark.parametrize("forced", [(1, 0), (3, 2), (24, 0), (20, 30)], ids=lambda f: f"local{f[0]}-sink{f[1]}")
 @pytest.mark.parametrize("n_blocks", [1, 2, 17, 40, 300], ids=lambda n: f"NB{n}")
+@pytest.mark.parametrize("hist", [False, True], ids=["range", "hist"])
 @pytest.mark.triton
-def test_select_triton_forced_blocks_around_k(n_blocks, forced):
+def test_select_triton_forced_blocks_around_k(n_blocks, forced, hist):
     """The search is bracketed by the finite scores and stops early: it must stay exact when the forced
     (+inf) blocks are fewer than, as many as or more than k, and when every block is forced."""
     from kernels.block_select.triton import select_blocks_triton
@@ -399,13 +404,59 @@ def test_select_triton_forced_blocks_around_k(n_blocks, forced):
     rule = KeepRule(0.1, 16, *forced)
     width = rule.keep(n_blocks) + 2
     args = [t.to(DEVICE) for t in (q, kmax, kmin, length)]
-    got = select_blocks_triton(*args, block_size=BS, rule=rule, width=width).cpu()
+    histogram = new_histogram(1, 2, DEVICE) if hist else None
+    got = select_blocks_triton(*args, block_size=BS, rule=rule, width=width, histogram=histogram).cpu()
     scores = block_scores(q, kmax, kmin, length, block_size=BS, local_blocks=forced[0], sink_blocks=forced[1])
     k = rule.keep(n_blocks)
     for h in range(2):
         order = sorted(range(n_blocks), key=lambda i: (-scores[0, h, i].item(), i))  # ties: lowest index first
         assert got[0, h, :k].tolist() == sorted(order[:k]), f"head {h}"
         assert (got[0, h, k:] == -1).all()
+
+
+@pytest.mark.parametrize("pooling", ["mean", "softmax+centroid"])
+@pytest.mark.parametrize("L", [17, 4097, 32768], ids=lambda n: f"L{n}")
+@pytest.mark.triton
+def test_select_triton_histogram_changes_nothing_and_is_left_zeroed(L, pooling):
+    """With the histogram the top-k searches inside the k-th score's bin: the same selection as without it, the
+    histogram zeroed again after the call, and a histogram left holding counts (a call stopped between its
+    launches) ignored rather than trusted."""
+    from kernels.block_select.triton import select_blocks_triton
+
+    q, keys, _, kmax, kmin, length = _problem(2, 4, L, 64, torch.float16 if DEVICE == "cpu" else torch.bfloat16)
+    pooling, centroid = pooling.split("+")[0], pooling.endswith("+centroid")
+    kmean = _means(keys.cpu(), length.tolist()).to(DEVICE) if centroid else None
+    rule = KeepRule(0.1, 16, 1, 1, pooling=pooling, centroid=centroid)
+    args = dict(block_size=BS, rule=rule, width=rule.keep(kmax.shape[2]) + 2, scale=64**-0.5, kmean=kmean)
+    plain = select_blocks_triton(q, kmax, kmin, length, **args)
+    histogram = new_histogram(2, 2, DEVICE)
+    for _ in range(2):  # the second call finds the histogram the first left
+        assert torch.equal(select_blocks_triton(q, kmax, kmin, length, histogram=histogram, **args), plain)
+        assert not histogram.any()
+    histogram[0, 1, 3000] = 5
+    histogram[1, 0] = 1
+    assert torch.equal(select_blocks_triton(q, kmax, kmin, length, histogram=histogram, **args), plain)
+    assert not histogram.any()
+
+
+def test_select_dispatch_takes_the_histogram_and_validates_it():
+    """The reference ignores the histogram; the Triton launcher refuses one of the wrong shape or dtype."""
+    q, _, _, kmax, kmin, length = _problem(1, 2, 300, 64, torch.float32)
+    rule = KeepRule(0.1, 16, 1)
+    width = rule.keep(kmax.shape[2])
+    args = dict(block_size=BS, rule=rule, width=width)
+    histogram = new_histogram(1, 2, "cpu")
+    assert histogram.shape == (1, 2, HIST_BINS) and histogram.dtype == torch.int32
+    cpu = [t.cpu() for t in (q, kmax, kmin, length)]
+    assert torch.equal(select_blocks(*cpu, histogram=histogram, **args), select_ref(*cpu, **args))
+    if importlib.util.find_spec("triton") is None:
+        return
+    from kernels.block_select.triton import select_blocks_triton
+
+    with pytest.raises(ValueError, match="histogram of shape"):
+        select_blocks_triton(*cpu, histogram=histogram[:, :1], **args)
+    with pytest.raises(ValueError, match="histogram of shape"):
+        select_blocks_triton(*cpu, histogram=histogram.long(), **args)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])

@@ -19,7 +19,12 @@ import torch
 from kernels.block_select.reference import POOLINGS, KeepRule, block_scores
 from kernels.block_select.reference import select_blocks as select_blocks_reference
 
-__all__ = ["POOLINGS", "KeepRule", "block_scores", "select_blocks", "select_blocks_reference"]
+# The Triton top-k's histogram of scores: a score's bin is its int32 order key's top 12 bits (sign, exponent,
+# 3 mantissa bits).
+HIST_BINS = 4096
+
+__all__ = ["HIST_BINS", "POOLINGS", "KeepRule", "block_scores", "new_histogram", "select_blocks",
+           "select_blocks_reference"]
 
 
 @functools.cache
@@ -33,13 +38,24 @@ def _triton_impl():
 
 def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                   block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
-                  kmean: torch.Tensor | None = None) -> torch.Tensor:
+                  kmean: torch.Tensor | None = None, histogram: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; kmax, kmin (and kmean, required by rule.centroid): [B, Hkv, NB, D]; length: [B] int64
     (valid keys, the new one included); scale: the attention's softmax scale (used by rule.pooling "softmax").
+    histogram: scratch the Triton kernels keep zeroed between calls, int32 [B, Hkv, HIST_BINS] (`new_histogram`);
+    it shortens their search and changes no result. The reference ignores it.
 
     Returns block indices [B, Hkv, width] int32: the kept blocks ascending, then -1. width >= rule.keep(NB).
     """
-    impl = (_triton_impl() if q.is_cuda else None) or select_blocks_reference
     if rule.centroid and kmean is None:
         raise ValueError("rule.centroid needs the kmean descriptor")
-    return impl(q, kmax, kmin, length, block_size=block_size, rule=rule, width=width, scale=scale, kmean=kmean)
+    args = dict(block_size=block_size, rule=rule, width=width, scale=scale, kmean=kmean)
+    impl = _triton_impl() if q.is_cuda else None
+    if impl is None:
+        return select_blocks_reference(q, kmax, kmin, length, **args)
+    return impl(q, kmax, kmin, length, histogram=histogram, **args)
+
+
+
+def new_histogram(batch: int, kv_heads: int, device) -> torch.Tensor:
+    """The zeroed scratch `select_blocks` keeps between calls."""
+    return torch.zeros(batch, kv_heads, HIST_BINS, dtype=torch.int32, device=device)

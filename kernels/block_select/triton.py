@@ -17,7 +17,8 @@ import triton.language as tl
 
 from kernels._triton_common import check_device, launch_context
 from kernels.block_select.reference import KeepRule
-from kernels.block_select.triton_topk import _block_topk_kernel, _block_topk_resident_kernel
+from kernels.block_select.triton_topk import (HIST_BINS, _block_topk_kernel, _block_topk_resident_kernel,
+                                              count_score_bins)
 
 _SCORE_TILE = 64  # blocks per scoring program (mean pooling)
 # Softmax pooling's scoring program: TILE * head_dim descriptor elements each (an H100 sweep at head_dim 128,
@@ -34,9 +35,9 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _block_scores_kernel(
-    Q, Kmax, Kmin, Kmean, Length, Scores, n_kv_heads, n_blocks_cap, local_blocks, sink_blocks, stride_qb,
+    Q, Kmax, Kmin, Kmean, Length, Scores, Hist, n_kv_heads, n_blocks_cap, local_blocks, sink_blocks, stride_qb,
     stride_qh, stride_db, stride_dh, stride_dn, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, CENTROID: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, CENTROID: tl.constexpr, HIST: tl.constexpr,
 ):
     """Mean pooling (the paper's rule), one (batch, kv head, tile of blocks) per program."""
     pid_bh = tl.program_id(0)
@@ -62,6 +63,8 @@ def _block_scores_kernel(
         s = (s + tl.sum(qbar[None, :] * mean, 1)) * 0.5
     s = tl.where(scored, s, tl.where(offs < n_blocks, float("inf"), float("-inf")))
     tl.store(Scores + pid_bh.to(tl.int64) * n_blocks_cap + offs, s, mask=offs < n_blocks_cap)
+    if HIST:
+        count_score_bins(Hist, pid_bh, s, offs < n_blocks)
 
 
 @triton.jit
@@ -122,8 +125,8 @@ def _head_bounds_kernel(
 
 @triton.jit
 def _softmax_pool_kernel(
-    Bounds, TileMax, TileSum, Length, Scores, n_kv_heads, n_blocks_cap, n_tiles, local_blocks, sink_blocks,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, NT_PAD: tl.constexpr,
+    Bounds, TileMax, TileSum, Length, Scores, Hist, n_kv_heads, n_blocks_cap, n_tiles, local_blocks, sink_blocks,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, NT_PAD: tl.constexpr, HIST: tl.constexpr,
 ):
     """Scores of one tile: sum over the group's heads of exp2(bound - max) / sum, max and sum over all tiles."""
     pid_bh = tl.program_id(0).to(tl.int64)
@@ -143,12 +146,16 @@ def _softmax_pool_kernel(
     scored = (offs < n_blocks - local_blocks) & (offs >= sink_blocks)
     acc = tl.where(scored, acc, tl.where(offs < n_blocks, float("inf"), float("-inf")))
     tl.store(Scores + pid_bh * n_blocks_cap + offs, acc, mask=offs < n_blocks_cap)
+    if HIST:
+        count_score_bins(Hist, pid_bh, acc, offs < n_blocks)
 
 
 def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                          block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
-                         kmean: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as reference.select_blocks; CUDA-graph capturable."""
+                         kmean: torch.Tensor | None = None, histogram: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as reference.select_blocks; CUDA-graph capturable. histogram: int32 [B, Hkv, HIST_BINS],
+    zeros, kept by the caller across calls (the top-k zeroes it again); without it the top-k's search starts from
+    the scores' range."""
     if q.dim() != 3:
         raise ValueError(f"expected q of shape [B, Hq, D], got {tuple(q.shape)}")
     B, Hq, D = q.shape
@@ -166,7 +173,12 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
         raise ValueError(f"expected width >= {rule.keep(NB)} (the blocks kept at capacity), got {width}")
     if D & (D - 1) or block_size & (block_size - 1):
         raise ValueError(f"expected head_dim and block_size powers of two, got {D} and {block_size}")
+    if histogram is not None and (histogram.shape != (B, kmax.shape[1], HIST_BINS) or histogram.dtype != torch.int32
+                                  or not histogram.is_contiguous()):
+        raise ValueError(f"expected histogram of shape [{B}, {kmax.shape[1]}, {HIST_BINS}] int32 contiguous, got "
+                         f"{tuple(histogram.shape)} {histogram.dtype}")
     described = (("kmean", kmean),) if rule.centroid else ()
+    described += (("histogram", histogram),) if histogram is not None else ()
     for name, t in (("q", q), ("kmax", kmax), ("kmin", kmin), ("length", length), *described):
         check_device(name, t, q.device)
     group = Hq // Hkv
@@ -176,6 +188,8 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     scores = torch.empty(B, Hkv, NB, device=q.device, dtype=torch.float32)
     out = torch.empty(B, Hkv, width, device=q.device, dtype=torch.int32)
     num, den = rule.ratio
+    hist = histogram is not None
+    hist_arg = histogram if hist else out  # never read without HIST
     with launch_context(q.device):
         if softmax:
             # Scratch: each head's scaled bounds, and per tile each head's max and sum of exp2.
@@ -192,29 +206,29 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                 CENTROID=rule.centroid, IEEE=ieee, num_warps=_SCORE_WARPS,
             )
             _softmax_pool_kernel[(B * Hkv, n_tiles)](
-                bounds, tile_max, tile_sum, length, scores, Hkv, NB, n_tiles, rule.local_blocks, rule.sink_blocks,
-                GROUP=group, BLOCK=block_size, TILE=tile, NT_PAD=max(16, triton.next_power_of_2(n_tiles)),
-                num_warps=4,
+                bounds, tile_max, tile_sum, length, scores, hist_arg, Hkv, NB, n_tiles, rule.local_blocks,
+                rule.sink_blocks, GROUP=group, BLOCK=block_size, TILE=tile,
+                NT_PAD=max(16, triton.next_power_of_2(n_tiles)), HIST=hist, num_warps=4,
             )
         else:
             _block_scores_kernel[(B * Hkv, n_tiles)](
-                q, kmax, kmin, kmean if rule.centroid else kmax, length, scores, Hkv, NB, rule.local_blocks,
-                rule.sink_blocks, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2),
-                GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
-                TILE=_SCORE_TILE, CENTROID=rule.centroid, num_warps=4,
+                q, kmax, kmin, kmean if rule.centroid else kmax, length, scores, hist_arg, Hkv, NB,
+                rule.local_blocks, rule.sink_blocks, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
+                kmax.stride(2), GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D,
+                BLOCK=block_size, TILE=_SCORE_TILE, CENTROID=rule.centroid, HIST=hist, num_warps=4,
             )
         if NB <= _RESIDENT_MAX:
             main = max(16, 1 << (NB.bit_length() - 1))
             rest = max(16, triton.next_power_of_2(max(1, NB - main)))
             _block_topk_resident_kernel[(B * Hkv,)](
-                scores, length, out, NB, width, num, den, rule.min_blocks, Hkv,
-                BLOCK=block_size, NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)),
+                scores, length, out, hist_arg, NB, width, num, den, rule.min_blocks, Hkv,
+                BLOCK=block_size, NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)), HIST=hist,
                 # A power of two (Triton's rule): 4,096 + 1,024 blocks gave 5 warps and failed to compile.
                 num_warps=_TOPK_WARPS or min(16, max(4, triton.next_power_of_2((main + rest) // 1024))),
             )
         else:
             _block_topk_kernel[(B * Hkv,)](
-                scores, length, out, NB, width, num, den, rule.min_blocks, Hkv,
-                BLOCK=block_size, TILE=_SELECT_TILE, num_warps=8,
+                scores, length, out, hist_arg, NB, width, num, den, rule.min_blocks, Hkv,
+                BLOCK=block_size, TILE=_SELECT_TILE, HIST=hist, num_warps=8,
             )
     return out

@@ -9,12 +9,53 @@ at or above the midpoint (at most 32 steps), then writes the blocks scoring abov
 radix select (four tl.histogram passes, 1.8x slower), a search of 2 bits a step (three counts a step, slower), the
 same three counts packed into one int64 reduction (select 31.1 -> 31.5 us at 8,192 blocks, 65.2 -> 69.4 at 16,384),
 the softmax pooling fused into this kernel (slower).
+
+Given a histogram of the scores (HIST_BINS bins of their order keys' top bits, counted by the scoring kernel), both
+kernels start their search inside the bin that holds the k-th largest score instead of across every finite
+score, and zero the histogram for the next call. A histogram that does not count exactly the row's blocks (left
+over from a call stopped between its two launches) is ignored: the search then brackets by the keys present.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kernels.block_select import HIST_BINS
+
+_HIST_BINS = tl.constexpr(HIST_BINS)
+_BIN_SHIFT = tl.constexpr(20)
+_BIN_WIDTH = tl.constexpr(1 << 20)
+
+
+@triton.jit
+def count_score_bins(Hist, pid_bh, s, inside):
+    """Add the scores s (fp32) where `inside` to their bins in row pid_bh of Hist [B * Hkv, HIST_BINS] int32."""
+    u = s.to(tl.int32, bitcast=True)
+    key = u ^ ((u >> 31) & 0x7FFFFFFF)
+    bins = (key >> _BIN_SHIFT) + _HIST_BINS // 2
+    tl.atomic_add(Hist + pid_bh.to(tl.int64) * _HIST_BINS + bins, inside.to(tl.int32), mask=inside, sem="relaxed")
+
+
+@triton.jit
+def _sum_max_min(a_n, a_bin, a_count, b_n, b_bin, b_count):
+    return a_n + b_n, tl.maximum(a_bin, b_bin), tl.minimum(a_count, b_count)
+
+
+@triton.jit
+def _hist_bracket(Hist, pid_bh, n_blocks, k):
+    """(usable, lo, hi, exact) from row pid_bh of the histogram, which is zeroed: [lo, hi) is the bin of the k-th
+    largest int32 order key, exact when exactly k keys are >= lo. usable: the row counts n_blocks scores."""
+    offs = tl.arange(0, _HIST_BINS)
+    row = Hist + pid_bh * _HIST_BINS + offs
+    h = tl.load(row)
+    tl.store(row, tl.zeros_like(h))
+    above = tl.cumsum(h, 0, reverse=True)  # keys in this bin or higher
+    reach = above >= k
+    total, top_bin, at_top = tl.reduce((h, tl.where(reach, offs, -1), tl.where(reach, above, 2147483647)), 0,
+                                       _sum_max_min)
+    lo = (top_bin - _HIST_BINS // 2).to(tl.int64) << _BIN_SHIFT
+    return (total == n_blocks) & (top_bin >= 0), lo, lo + _BIN_WIDTH, at_top == k
 
 
 @triton.jit
@@ -45,8 +86,8 @@ def _count_at_least(Row, n, thr, TILE: tl.constexpr):
 
 @triton.jit
 def _block_topk_kernel(
-    Scores, Length, Out, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
-    BLOCK: tl.constexpr, TILE: tl.constexpr,
+    Scores, Length, Out, Hist, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, HIST: tl.constexpr,
 ):
     pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
     row = Scores + pid_bh * n_blocks_cap
@@ -55,6 +96,13 @@ def _block_topk_kernel(
     lo = tl.zeros([], dtype=tl.int64)
     hi = lo + 4294967296
     count = lo - 1
+    if HIST:
+        usable, bin_lo, bin_hi, exact = _hist_bracket(Hist, pid_bh, n_blocks, k)
+        if usable:
+            # The histogram's int32 keys, shifted to this kernel's unsigned ones.
+            lo = bin_lo + 2147483648
+            hi = bin_hi + 2147483648
+            count = tl.where(exact, k, count)
     while (hi - lo > 1) & (count != k):
         mid = (lo + hi) // 2
         count = _count_at_least(row, n_blocks, mid, TILE)
@@ -103,15 +151,16 @@ def _key_range(key, inside):
 @triton.jit
 def _resident_row(Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK: tl.constexpr,
                   NB_MAIN: tl.constexpr, NB_REST: tl.constexpr):
-    """This program's row, k, and its scores' keys in registers as two power-of-two parts (offsets, in-range
-    mask, keys of each)."""
+    """This program's row, its block count, k, and its scores' keys in registers as two power-of-two parts
+    (offsets, in-range mask, keys of each)."""
     pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
     row = Scores + pid_bh * n_blocks_cap
     offs_a = tl.arange(0, NB_MAIN)
     offs_b = NB_MAIN + tl.arange(0, NB_REST)
     in_a = offs_a < n_blocks
     in_b = offs_b < n_blocks
-    return pid_bh, k, offs_a, in_a, _resident_keys(row, offs_a, in_a), offs_b, in_b, _resident_keys(row, offs_b, in_b)
+    return (pid_bh, n_blocks, k, offs_a, in_a, _resident_keys(row, offs_a, in_a), offs_b, in_b,
+            _resident_keys(row, offs_b, in_b))
 
 
 @triton.jit
@@ -126,11 +175,11 @@ def _resident_bracket(key_a, in_a, key_b, in_b, k):
 
 
 @triton.jit
-def _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, COUNT: tl.constexpr):
-    """(threshold, steps): halves [lo, hi) and stops as soon as exactly k blocks score >= mid (mid is then as good
-    a threshold as the k-th key: the output takes every tie of it). Steps are counted only with COUNT (the
-    selection breakdown's); the shipped kernel's loop carries nothing more."""
-    count = tl.full([], -1, tl.int32)
+def _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, count, COUNT: tl.constexpr):
+    """(threshold, exact, steps): halves [lo, hi) and stops as soon as exactly k blocks score >= mid (mid is then
+    as good a threshold as the k-th key: the output takes every tie of it; exact says so). count: the blocks
+    known to score >= lo (k: no search), else -1. Steps are counted only with COUNT (the selection breakdown's);
+    the shipped kernel's loop carries nothing more."""
     steps = tl.zeros([], dtype=tl.int32)
     while (hi - lo > 1) & (count != k):
         mid = (lo + hi) >> 1
@@ -141,25 +190,28 @@ def _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, COUNT: tl.constexpr):
         hi = tl.where(enough, hi, mid)
         if COUNT:
             steps += 1
-    return lo.to(tl.int32), steps
+    return lo.to(tl.int32), count == k, steps
 
 
 @triton.jit
-def _resident_store(out_row, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, k, width, W_PAD: tl.constexpr):
+def _resident_store(out_row, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, exact, k, width, W_PAD: tl.constexpr):
     """The blocks scoring above thr, then as many of its ties as k needs (lowest index first), in ascending
-    order; -1 up to width."""
-    gt_a, eq_a = (key_a > thr) & in_a, (key_a == thr) & in_a
-    gt_b, eq_b = (key_b > thr) & in_b, (key_b == thr) & in_b
-    ties = k - tl.sum(gt_a.to(tl.int32), 0) - tl.sum(gt_b.to(tl.int32), 0)
-    n_eq_a = tl.sum(eq_a.to(tl.int32), 0)
-    # Usually every tie is kept (a search that stops early leaves exactly k at or above thr): then no tie needs
-    # its rank, and the only scan left is the output positions'.
-    if n_eq_a + tl.sum(eq_b.to(tl.int32), 0) <= ties:
-        take_a = gt_a | eq_a
-        take_b = gt_b | eq_b
+    order; -1 up to width. exact: exactly k blocks score >= thr (a search that stopped early), so all are taken
+    and no tie needs its rank."""
+    if exact:
+        take_a = (key_a >= thr) & in_a
+        take_b = (key_b >= thr) & in_b
     else:
-        take_a = gt_a | (eq_a & (tl.cumsum(eq_a.to(tl.int32), 0) <= ties))
-        take_b = gt_b | (eq_b & (n_eq_a + tl.cumsum(eq_b.to(tl.int32), 0) <= ties))
+        gt_a, eq_a = (key_a > thr) & in_a, (key_a == thr) & in_a
+        gt_b, eq_b = (key_b > thr) & in_b, (key_b == thr) & in_b
+        ties = k - tl.sum(gt_a.to(tl.int32), 0) - tl.sum(gt_b.to(tl.int32), 0)
+        n_eq_a = tl.sum(eq_a.to(tl.int32), 0)
+        if n_eq_a + tl.sum(eq_b.to(tl.int32), 0) <= ties:
+            take_a = gt_a | eq_a
+            take_b = gt_b | eq_b
+        else:
+            take_a = gt_a | (eq_a & (tl.cumsum(eq_a.to(tl.int32), 0) <= ties))
+            take_b = gt_b | (eq_b & (n_eq_a + tl.cumsum(eq_b.to(tl.int32), 0) <= ties))
     tl.store(out_row + tl.cumsum(take_a.to(tl.int32), 0) - 1, offs_a.to(tl.int32), mask=take_a)
     first_b = tl.sum(take_a.to(tl.int32), 0)
     tl.store(out_row + first_b + tl.cumsum(take_b.to(tl.int32), 0) - 1, offs_b.to(tl.int32), mask=take_b)
@@ -169,13 +221,28 @@ def _resident_store(out_row, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, k, w
 
 @triton.jit
 def _block_topk_resident_kernel(
-    Scores, Length, Out, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
-    BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr,
+    Scores, Length, Out, Hist, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
+    BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr, HIST: tl.constexpr,
 ):
     """_block_topk_kernel for up to NB_MAIN + NB_REST blocks: the scores are loaded once and searched in
     registers, as two power-of-two parts (16,389 blocks are 16,384 + 16 rather than 32,768)."""
-    pid_bh, k, offs_a, in_a, key_a, offs_b, in_b, key_b = _resident_row(
+    pid_bh, n_blocks, k, offs_a, in_a, key_a, offs_b, in_b, key_b = _resident_row(
         Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK, NB_MAIN, NB_REST)
-    lo, hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
-    thr, _ = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, False)
-    _resident_store(Out + pid_bh * width, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, k, width, W_PAD)
+    lo, hi, count = _bracket(Hist, pid_bh, n_blocks, k, key_a, in_a, key_b, in_b, HIST)
+    thr, exact, _ = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, count, False)
+    _resident_store(Out + pid_bh * width, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, exact, k, width, W_PAD)
+
+
+@triton.jit
+def _bracket(Hist, pid_bh, n_blocks, k, key_a, in_a, key_b, in_b, HIST: tl.constexpr):
+    """The search's start (lo, hi, count): the histogram's bin where it is usable, else the keys' range."""
+    count = tl.full([], -1, tl.int32)
+    if HIST:
+        usable, lo, hi, exact = _hist_bracket(Hist, pid_bh, n_blocks, k)
+        if usable:
+            count = tl.where(exact, k.to(tl.int32), count)
+        else:
+            lo, hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
+    else:
+        lo, hi = _resident_bracket(key_a, in_a, key_b, in_b, k)
+    return lo, hi, count
