@@ -78,14 +78,15 @@ def measure(q, kmax, kmin, kmean, n, scale, stages=True) -> dict:
     def b_():
         sel._head_bounds_kernel[(Hkv, n_tiles)](q, kmax, kmin, kmean, n, bounds, tmax, tsum, Hkv, NB, n_tiles, 1, 1,
             scale * sel._LOG2E, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2),
-            GROUP=group, G_DOT=16, HEAD_DIM=D, BLOCK=16, TILE=tile, CENTROID=True, IEEE=False, num_warps=4)
+            GROUP=group, G_DOT=16, HEAD_DIM=D, BLOCK=16, TILE=tile, CENTROID=True, IEEE=False, PDL=False,
+            num_warps=4)
 
     hist = new_histogram(1, Hkv, "cuda")
 
     def p_(with_hist=False):
         sel._softmax_pool_kernel[(Hkv, n_tiles)](bounds, tmax, tsum, n, scores, hist, Hkv, NB, n_tiles, 1, 1,
             GROUP=group, BLOCK=16, TILE=tile, NT_PAD=max(16, triton.next_power_of_2(n_tiles)), HIST=with_hist,
-            num_warps=4)
+            PDL=False, num_warps=4)
     b_(); p_()
     out = torch.empty(1, Hkv, width, device="cuda", dtype=torch.int32)
     steps = torch.zeros(Hkv, device="cuda", dtype=torch.int32)

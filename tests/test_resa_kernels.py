@@ -570,6 +570,67 @@ def test_sparse_step_in_a_cuda_graph_follows_length():
 
 
 @pytest.mark.gpu
+def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
+    """A decode step's kernels (K/V write with descriptors, selection with its histogram, sparse attention and its
+    combine) captured in a CUDA graph with programmatic dependent launch, each kernel waiting for the one before:
+    bit for bit what plain launches give, replay after replay."""
+    import kernels._gdc as gdc
+    from kernels.block_descriptors import update_block_descriptors
+    from kernels.kv_append import append_kv
+    from kernels.sparse_decode_attention import sparse_decode_attention
+
+    if not gdc.use_pdl(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    B, Hkv, G, S, D = 1, 8, 2, 65536, 128
+    rule = KeepRule(0.1, 1024, 1, 1, pooling="softmax", centroid=True)
+
+    def run(pdl: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(gdc, "_hopper_or_later", lambda index: pdl)
+        torch.manual_seed(0)
+        opts = dict(device="cuda", dtype=torch.bfloat16)
+        keys, values = torch.randn(B, Hkv, S, D, **opts), torch.randn(B, Hkv, S, D, **opts)
+        kmax, kmin, kmean = (torch.zeros(B, Hkv, S // BS, D, **opts) for _ in range(3))
+        n0 = 50000
+        update_block_descriptors(keys, kmax, kmin, torch.tensor([n0], device="cuda"), n0, BS, kmean)
+        q, k_new, v_new = torch.randn(B, Hkv * G, D, **opts), torch.randn(B, Hkv, 1, D, **opts), \
+            torch.randn(B, Hkv, 1, D, **opts)
+        pos, length = torch.tensor([n0], device="cuda"), torch.tensor([n0 + 1], device="cuda")
+        histogram = new_histogram(B, Hkv, "cuda")
+        width = rule.keep(S // BS)
+
+        def step():
+            append_kv(keys, values, k_new, v_new, pos, descriptors=(kmax, kmin, kmean), length=length,
+                      block_size=BS)
+            blocks = select_blocks(q, kmax, kmin, length, block_size=BS, rule=rule, width=width, scale=D**-0.5,
+                                   kmean=kmean, histogram=histogram)
+            return blocks, sparse_decode_attention(q, keys, values, blocks, length, block_size=BS, scale=D**-0.5)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            blocks, out = step()
+        got = []
+        for i in range(3):
+            q.copy_(torch.randn_like(q))
+            k_new.copy_(torch.randn_like(k_new))
+            graph.replay()
+            got += [blocks.clone(), out.clone(), kmax.clone(), kmean.clone()]
+            pos += 1
+            length += 1
+        torch.cuda.synchronize()
+        assert not histogram.any()
+        return got
+
+    with_pdl, plain = run(True), run(False)
+    for a, b in zip(with_pdl, plain):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("pooling", ["mean", "softmax"])
 def test_select_triton_resident_past_256k_tokens(pooling):
     """A 256K-token document plus answer room (16,389 blocks) stays on the register-resident search."""

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._gdc import grid_dependency_wait, use_pdl
 from kernels._triton_common import check_device, launch_context
 from kernels.block_select.reference import KeepRule
 from kernels.block_select.triton_topk import (HIST_BINS, _block_topk_kernel, _block_topk_resident_kernel,
@@ -37,9 +38,10 @@ _LOG2E = 1.4426950408889634
 def _block_scores_kernel(
     Q, Kmax, Kmin, Kmean, Length, Scores, Hist, n_kv_heads, n_blocks_cap, local_blocks, sink_blocks, stride_qb,
     stride_qh, stride_db, stride_dh, stride_dn, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, CENTROID: tl.constexpr, HIST: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, CENTROID: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Mean pooling (the paper's rule), one (batch, kv head, tile of blocks) per program."""
+    grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0)
     tile = tl.program_id(1)
     b = (pid_bh // n_kv_heads).to(tl.int64)
@@ -82,11 +84,12 @@ def _head_bounds_kernel(
     Q, Kmax, Kmin, Kmean, Length, Bounds, TileMax, TileSum, n_kv_heads, n_blocks_cap, n_tiles, local_blocks,
     sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn,
     GROUP: tl.constexpr, G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
-    CENTROID: tl.constexpr, IEEE: tl.constexpr,
+    CENTROID: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Softmax pooling's first half, one (batch, kv head, tile of blocks) per program: every head's scaled
     bounds, and the tile's per-head max and sum of exp2. Quest's bound is two products on the tensor cores:
     sum_d max(q_d * kmax_d, q_d * kmin_d) = max(q, 0) . kmax + min(q, 0) . kmin, as kmax >= kmin."""
+    grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0)
     tile = tl.program_id(1)
     b = (pid_bh // n_kv_heads).to(tl.int64)
@@ -127,8 +130,10 @@ def _head_bounds_kernel(
 def _softmax_pool_kernel(
     Bounds, TileMax, TileSum, Length, Scores, Hist, n_kv_heads, n_blocks_cap, n_tiles, local_blocks, sink_blocks,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, NT_PAD: tl.constexpr, HIST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Scores of one tile: sum over the group's heads of exp2(bound - max) / sum, max and sum over all tiles."""
+    grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0).to(tl.int64)
     b = pid_bh // n_kv_heads
     n_blocks = tl.cdiv(tl.load(Length + b).to(tl.int64), BLOCK)
@@ -189,6 +194,7 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     out = torch.empty(B, Hkv, width, device=q.device, dtype=torch.int32)
     num, den = rule.ratio
     hist = histogram is not None
+    pdl = use_pdl(q.device)
     hist_arg = histogram if hist else out  # never read without HIST
     with launch_context(q.device):
         if softmax:
@@ -203,19 +209,20 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                 n_tiles, rule.local_blocks, rule.sink_blocks, scale * _LOG2E, q.stride(0), q.stride(1),
                 kmax.stride(0), kmax.stride(1), kmax.stride(2), GROUP=group,
                 G_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size, TILE=tile,
-                CENTROID=rule.centroid, IEEE=ieee, num_warps=_SCORE_WARPS,
+                CENTROID=rule.centroid, IEEE=ieee, PDL=pdl, launch_pdl=pdl, num_warps=_SCORE_WARPS,
             )
             _softmax_pool_kernel[(B * Hkv, n_tiles)](
                 bounds, tile_max, tile_sum, length, scores, hist_arg, Hkv, NB, n_tiles, rule.local_blocks,
                 rule.sink_blocks, GROUP=group, BLOCK=block_size, TILE=tile,
-                NT_PAD=max(16, triton.next_power_of_2(n_tiles)), HIST=hist, num_warps=4,
+                NT_PAD=max(16, triton.next_power_of_2(n_tiles)), HIST=hist, PDL=pdl, launch_pdl=pdl, num_warps=4,
             )
         else:
             _block_scores_kernel[(B * Hkv, n_tiles)](
                 q, kmax, kmin, kmean if rule.centroid else kmax, length, scores, hist_arg, Hkv, NB,
                 rule.local_blocks, rule.sink_blocks, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
                 kmax.stride(2), GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D,
-                BLOCK=block_size, TILE=_SCORE_TILE, CENTROID=rule.centroid, HIST=hist, num_warps=4,
+                BLOCK=block_size, TILE=_SCORE_TILE, CENTROID=rule.centroid, HIST=hist, PDL=pdl, launch_pdl=pdl,
+                num_warps=4,
             )
         if NB <= _RESIDENT_MAX:
             main = max(16, 1 << (NB.bit_length() - 1))
@@ -223,12 +230,13 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
             _block_topk_resident_kernel[(B * Hkv,)](
                 scores, length, out, hist_arg, NB, width, num, den, rule.min_blocks, Hkv,
                 BLOCK=block_size, NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)), HIST=hist,
+                PDL=pdl, launch_pdl=pdl,
                 # A power of two (Triton's rule): 4,096 + 1,024 blocks gave 5 warps and failed to compile.
                 num_warps=_TOPK_WARPS or min(16, max(4, triton.next_power_of_2((main + rest) // 1024))),
             )
         else:
             _block_topk_kernel[(B * Hkv,)](
                 scores, length, out, hist_arg, NB, width, num, den, rule.min_blocks, Hkv,
-                BLOCK=block_size, TILE=_SELECT_TILE, HIST=hist, num_warps=8,
+                BLOCK=block_size, TILE=_SELECT_TILE, HIST=hist, PDL=pdl, launch_pdl=pdl, num_warps=8,
             )
     return out

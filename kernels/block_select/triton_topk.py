@@ -21,6 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels._gdc import grid_dependency_wait
 from kernels.block_select import HIST_BINS
 
 _HIST_BINS = tl.constexpr(HIST_BINS)
@@ -87,8 +88,9 @@ def _count_at_least(Row, n, thr, TILE: tl.constexpr):
 @triton.jit
 def _block_topk_kernel(
     Scores, Length, Out, Hist, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, HIST: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr,
 ):
+    grid_dependency_wait(PDL)
     pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
     row = Scores + pid_bh * n_blocks_cap
     # Invariant: count(key >= lo) >= k > count(key >= hi); after at most 32 halvings lo is the k-th largest
@@ -223,9 +225,11 @@ def _resident_store(out_row, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, exac
 def _block_topk_resident_kernel(
     Scores, Length, Out, Hist, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
     BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr, HIST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """_block_topk_kernel for up to NB_MAIN + NB_REST blocks: the scores are loaded once and searched in
     registers, as two power-of-two parts (16,389 blocks are 16,384 + 16 rather than 32,768)."""
+    grid_dependency_wait(PDL)
     pid_bh, n_blocks, k, offs_a, in_a, key_a, offs_b, in_b, key_b = _resident_row(
         Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK, NB_MAIN, NB_REST)
     lo, hi, count = _bracket(Hist, pid_bh, n_blocks, k, key_a, in_a, key_b, in_b, HIST)

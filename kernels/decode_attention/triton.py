@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._gdc import grid_dependency_wait, use_pdl
 from kernels._triton_common import check_device, launch_context, sm_count
 from kernels.decode_attention.reference import PositionMask
 from kernels.lse_combine.triton import combine_splits_triton
@@ -50,8 +51,9 @@ def _decode_attention_fwd_kernel(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     N_QUERIES, GROUP: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_QFIRST: tl.constexpr, HAS_KEYMASK: tl.constexpr,
-    HAS_POSITION_MASK: tl.constexpr, POSITION_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_POSITION_MASK: tl.constexpr, POSITION_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = (pid_bh // n_kv_heads).to(tl.int64)
@@ -221,6 +223,7 @@ def decode_attention_triton(
     # Scratch from the caching allocator: inside a graph capture it comes from the graph's private pool.
     out_part = torch.empty(B * Hq * T, num_splits, D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B * Hq * T, num_splits, device=q.device, dtype=torch.float32)
+    pdl = use_pdl(q.device)
     with launch_context(q.device):
         _decode_attention_fwd_kernel[(B * Hkv, num_splits, triton.cdiv(group * T, rows_pad))](
             q4, k_cache, v_cache, length, length if q_first is None else q_first,
@@ -236,7 +239,7 @@ def decode_attention_triton(
             HAS_KEYMASK=key_mask is not None, HAS_POSITION_MASK=positions is not None,
             POSITION_MASK=None if positions is None else positions.rule.triton,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=num_warps, num_stages=num_stages,
+            PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages,
         )
     out, lse = combine_splits_triton(out_part, lse_part, q.dtype)
     shape = (B, Hq) if single else (B, Hq, T)

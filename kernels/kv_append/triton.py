@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._gdc import grid_dependency_wait, use_pdl
 from kernels._triton_common import check_device, launch_context
 
 
@@ -17,8 +18,9 @@ def _append_kv_kernel(
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_nb, stride_nh, stride_nt, stride_wb, stride_wh, stride_wt, stride_db, stride_dh, stride_dn,
     D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr,
-    DESCRIBE: tl.constexpr, MEAN: tl.constexpr,
+    DESCRIBE: tl.constexpr, MEAN: tl.constexpr, PDL: tl.constexpr,
 ):
+    grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     b = (pid_bh // n_kv_heads).to(tl.int64)
@@ -89,6 +91,7 @@ def append_kv_triton(keys: torch.Tensor, values: torch.Tensor, key_states: torch
         check_device(name, t, keys.device)
     dummy = keys
     kmax, kmin, kmean = descriptors if descriptors is not None else (dummy, dummy, None)
+    pdl = use_pdl(keys.device)
     with launch_context(keys.device):
         _append_kv_kernel[(B * H, T)](
             keys, values, key_states, value_states, position, kmax, kmin, kmax if kmean is None else kmean,
@@ -98,6 +101,6 @@ def append_kv_triton(keys: torch.Tensor, values: torch.Tensor, key_states: torch
             value_states.stride(0), value_states.stride(1), value_states.stride(2),
             kmax.stride(0), kmax.stride(1), kmax.stride(2),
             D=D, DV=DV, D_PAD=triton.next_power_of_2(D), DV_PAD=triton.next_power_of_2(DV), BLOCK=block_size,
-            DESCRIBE=descriptors is not None, MEAN=kmean is not None,
+            DESCRIBE=descriptors is not None, MEAN=kmean is not None, PDL=pdl, launch_pdl=pdl,
             num_warps=4 if descriptors is not None and block_size * D >= 4096 else (2 if descriptors else 1),
         )

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._gdc import grid_dependency_wait, use_pdl
 from kernels._triton_common import check_device, launch_context
 
 
@@ -16,7 +17,9 @@ _SPLITS_PAD = 256
 def _lse_combine_kernel(
     Out_part, Lse_part, Out, Lse, num_splits,
     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -57,6 +60,7 @@ def combine_splits_triton(out_part: torch.Tensor, lse_part: torch.Tensor, out_dt
     out = torch.empty(R, D, device=out_part.device, dtype=out_dtype)
     lse = torch.empty(R, device=out_part.device, dtype=torch.float32)
     block_d = min(D, 64)
+    pdl = use_pdl(out_part.device)
     with launch_context(out_part.device):
         # Split over D too: a row alone would walk all splits serially.
         _lse_combine_kernel[(R, D // block_d)](
@@ -64,6 +68,6 @@ def combine_splits_triton(out_part: torch.Tensor, lse_part: torch.Tensor, out_dt
             # One padded width for every split count up to 256 (masked lanes cost nothing measurable): one
             # compilation serves documents of every length.
             HEAD_DIM=D, SPLITS_PAD=max(_SPLITS_PAD, triton.next_power_of_2(S)), BLOCK_S=64, BLOCK_D=block_d,
-            num_warps=4,
+            PDL=pdl, launch_pdl=pdl, num_warps=4,
         )
     return out, lse

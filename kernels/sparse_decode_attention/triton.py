@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._gdc import grid_dependency_wait, use_pdl
 from kernels._triton_common import check_device, launch_context, sm_count
 from kernels.lse_combine.triton import combine_splits_triton
 
@@ -26,8 +27,9 @@ def _sparse_decode_fwd_kernel(
     qk_scale, n_kv_heads, n_q_heads, num_splits, width, slots_per_split,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = (pid_bh // n_kv_heads).to(tl.int64)
@@ -119,6 +121,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     group = Hq // Hkv
     out_part = torch.empty(B * Hq, num_splits, D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B * Hq, num_splits, device=q.device, dtype=torch.float32)
+    pdl = use_pdl(q.device)
     with launch_context(q.device):
         _sparse_decode_fwd_kernel[(B * Hkv, num_splits)](
             q, k_cache, v_cache, blocks, length, out_part, lse_part,
@@ -127,7 +130,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
             BLOCK_N=_BLOCK_N, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+            PDL=pdl, launch_pdl=pdl, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
         )
     out, lse = combine_splits_triton(out_part, lse_part, q.dtype)
     out, lse = out.view(B, Hq, D), lse.view(B, Hq)
