@@ -47,15 +47,16 @@ def bench(shape: str, length: int, rule: KeepRule) -> dict:
     n_blocks = triton.cdiv(length, BLOCK)
     kmax = torch.empty(1, Hkv, n_blocks, D, **opts)
     kmin = torch.empty_like(kmax)
-    kmean = torch.empty_like(kmax) if rule.centroid else None
+    # As the engine keeps them: with the centroid, max + mean and min + mean (two descriptors, not three).
+    fold = rule.centroid
     n = torch.tensor([length], device="cuda")
-    update_block_descriptors(k, kmax, kmin, n, length, BLOCK, kmean)
+    update_block_descriptors(k, kmax, kmin, n, length, BLOCK, fold_mean=fold)
     width = rule.keep(n_blocks)
     scale = D**-0.5
     histogram = new_histogram(1, Hkv, "cuda")  # as the engine calls it
 
     def select():
-        return select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale, kmean=kmean,
+        return select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale, folded=fold,
                              histogram=histogram)
 
     blocks = select()
@@ -69,20 +70,20 @@ def bench(shape: str, length: int, rule: KeepRule) -> dict:
     def kv_write_separate():
         k.index_copy_(2, last, k_new)
         v.index_copy_(2, last, v_new)
-        update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, kmean)
+        update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, fold_mean=fold)
 
     def estimation():
-        update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, kmean)
+        update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, fold_mean=fold)
         select()
 
     fns = {
         "dense_attention": lambda: decode_attention(q, k, v, n, scale=scale),
         "estimation": estimation,
-        "descriptor_update": lambda: update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, kmean),
+        "descriptor_update": lambda: update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, fold_mean=fold),
         "select": select,
         "kv_write_and_descriptors_separate": kv_write_separate,
-        "kv_write_and_descriptors_fused": lambda: append_kv(k, v, k_new, v_new, last, descriptors=(kmax, kmin, kmean),
-                                                            length=n, block_size=BLOCK),
+        "kv_write_and_descriptors_fused": lambda: append_kv(k, v, k_new, v_new, last, descriptors=(kmax, kmin, None),
+                                                            length=n, block_size=BLOCK, fold_mean=fold),
         "sparse_attention": lambda: sparse_decode_attention(q, k, v, blocks, n, block_size=BLOCK, scale=scale),
         "rectify_attention_triton": lambda: decode_attention(q_rect, k, v, n, scale=scale),
         "rectify_attention_sdpa": lambda: F.scaled_dot_product_attention(
@@ -151,11 +152,10 @@ def sweep_select(lengths: list[int], rule: KeepRule, shape: str = "llama-3.1-8b"
         q = torch.randn(1, Hq, D, **opts)
         k = torch.randn(1, Hkv, length, D, **opts)
         n_blocks = triton.cdiv(length, BLOCK)
-        kmax, kmin, kmean = (torch.empty(1, Hkv, n_blocks, D, **opts) for _ in range(3))
+        kmax, kmin = (torch.empty(1, Hkv, n_blocks, D, **opts) for _ in range(2))
         n = torch.tensor([length], device="cuda")
-        update_block_descriptors(k, kmax, kmin, n, length, BLOCK, kmean if rule.centroid else None)
-        args = dict(block_size=BLOCK, rule=rule, width=rule.keep(n_blocks), scale=D**-0.5,
-                    kmean=kmean if rule.centroid else None)
+        update_block_descriptors(k, kmax, kmin, n, length, BLOCK, fold_mean=rule.centroid)
+        args = dict(block_size=BLOCK, rule=rule, width=rule.keep(n_blocks), scale=D**-0.5, folded=rule.centroid)
         expected = sel.select_blocks_triton(q, kmax, kmin, n, **args)
         configs = [(t, w, 0) for t in (32, 64, 128) for w in (2, 4, 8)] + [(64, 4, w) for w in (4, 8, 16, 32)]
         for tile, warps, topk_warps in configs:
@@ -221,7 +221,8 @@ def main() -> None:
     parser.add_argument("--keep-ratio", type=float, default=0.1)
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated context lengths")
     parser.add_argument("--pooling", default="mean", choices=("mean", "softmax"))
-    parser.add_argument("--centroid", action="store_true", help="block mean keys as a third descriptor (resa.yaml)")
+    parser.add_argument("--centroid", action="store_true",
+                        help="the block mean key folded into max and min, as resa.yaml's rule keeps it")
     parser.add_argument("--sweep-sparse", action="store_true", help="only sweep the sparse kernel's tiling")
     parser.add_argument("--sweep-select", action="store_true", help="only sweep the selection's tiling and search")
     parser.add_argument("--sweep-rectify", action="store_true", help="only sweep the rectification kernel's rows")

@@ -56,16 +56,16 @@ def _bench(fn) -> float:
     return round(do_bench_cudagraph(fn, rep=100, return_mode="median") * 1000, 2)
 
 
-def measure(q, kmax, kmin, kmean, n, scale, stages=True) -> dict:
-    """One layer's selection: q [1, Hq, D], descriptors [1, Hkv, NB, D], n [1]. Times (µs), search steps per head
+def measure(q, kmax, kmin, n, scale, stages=True) -> dict:
+    """One layer's selection: q [1, Hq, D], descriptors [1, Hkv, NB, D] (the mean folded in), n [1]. Times (µs), search steps per head
     (bracketed by the scores' range, and by the histogram's bin: steps_hist)."""
     Hq, D = q.shape[1:]
     Hkv, NB = kmax.shape[1:3]
     width = RULE.keep(NB)
-    args = dict(block_size=16, rule=RULE, width=width, scale=scale, kmean=kmean)
+    args = dict(block_size=16, rule=RULE, width=width, scale=scale, folded=True)
     full = lambda: sel.select_blocks_triton(q, kmax, kmin, n, **args)
     got = full()
-    ref = ref_select(q.float(), kmax.float(), kmin.float(), n, **{**args, "kmean": kmean.float()})
+    ref = ref_select(q.float(), kmax.float(), kmin.float(), n, **args)
     group = Hq // Hkv
     tile = min(128, sel._DOT_ELEMENTS // D)
     n_tiles = triton.cdiv(NB, tile)
@@ -76,10 +76,10 @@ def measure(q, kmax, kmin, kmean, n, scale, stages=True) -> dict:
     num, den = RULE.ratio
 
     def b_():
-        sel._head_bounds_kernel[(Hkv, n_tiles)](q, kmax, kmin, kmean, n, bounds, tmax, tsum, Hkv, NB, n_tiles, 1, 1,
+        sel._head_bounds_kernel[(Hkv, n_tiles)](q, kmax, kmin, kmax, n, bounds, tmax, tsum, Hkv, NB, n_tiles, 1, 1,
             scale * sel._LOG2E, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2),
-            GROUP=group, G_DOT=16, HEAD_DIM=D, BLOCK=16, TILE=tile, CENTROID=True, IEEE=False, PDL=False,
-            num_warps=4)
+            GROUP=group, G_DOT=16, HEAD_DIM=D, BLOCK=16, TILE=tile, CENTROID=True, FOLDED=True, IEEE=False,
+            PDL=False, num_warps=4)
 
     hist = new_histogram(1, Hkv, "cuda")
 
@@ -140,10 +140,10 @@ def random_rows() -> list:
             k += 2 * torch.randn(1, Hkv, length // 512, 1, D, **opts).expand(-1, -1, -1, 512, -1).reshape(
                 1, Hkv, length, D)
             NB = length // 16
-            kmax, kmin, kmean = (torch.empty(1, Hkv, NB, D, **opts) for _ in range(3))
+            kmax, kmin = (torch.empty(1, Hkv, NB, D, **opts) for _ in range(2))
             n = torch.tensor([length], device="cuda")
-            update_block_descriptors(k, kmax, kmin, n, length, 16, kmean)
-            row = dict(shape=shape, length=length, **measure(q, kmax, kmin, kmean, n, D ** -0.5))
+            update_block_descriptors(k, kmax, kmin, n, length, 16, fold_mean=True)
+            row = dict(shape=shape, length=length, **measure(q, kmax, kmin, n, D ** -0.5))
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -170,7 +170,7 @@ def engine_rows(model: str, length: str) -> list:
     shipped = sel.select_blocks_triton
 
     def keep(q, kmax, kmin, n, **kw):
-        seen.append((q.clone(), kmax.clone(), kmin.clone(), kw["kmean"].clone(), n.clone(), kw["scale"]))
+        seen.append((q.clone(), kmax.clone(), kmin.clone(), n.clone(), kw["scale"]))
         return shipped(q, kmax, kmin, n, **kw)
     rows = []
     with torch.inference_mode():
@@ -185,9 +185,9 @@ def engine_rows(model: str, length: str) -> list:
             sel.select_blocks_triton = shipped
             block_select._triton_impl.cache_clear()
         torch.cuda.synchronize()
-        for layer, (q, kmax, kmin, kmean, n, scale) in enumerate(seen):
+        for layer, (q, kmax, kmin, n, scale) in enumerate(seen):
             NB = triton.cdiv(int(n.item()), 16)  # the blocks in use (the cache's capacity holds the answer room)
-            d = [t[:, :, :NB].contiguous() for t in (kmax, kmin, kmean)]
+            d = [t[:, :, :NB].contiguous() for t in (kmax, kmin)]
             row = dict(model=model, length=length, layer=layer, **measure(q.contiguous(), *d, n, scale, stages=False))
             print(json.dumps(row), flush=True)
             rows.append(row)

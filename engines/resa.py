@@ -1,7 +1,8 @@
 """`resa`: ReSA, "Rectified Sparse Attention" (Sun et al., 2025).
 
 - Prefill: dense and chunked, as `dense`; every chunk also refreshes the min/max key descriptors of the blocks
-  it wrote (kernels/block_descriptors).
+  it wrote (kernels/block_descriptors). With the centroid rule they hold max + mean and min + mean: the bound and
+  the centroid's product from two descriptors instead of three, a third fewer bytes to read per step.
 - Decode, on every full-attention layer: the new key updates its block's descriptors (in the launch that writes
   its K/V, kernels/kv_append), the GQA group's mean query scores all blocks with Quest's bound and keeps the top
   k (the local blocks always; kernels/block_select), and attention reads only those blocks
@@ -33,8 +34,9 @@ from kernels.sparse_decode_attention import sparse_decode_attention, sparse_deco
 
 
 class ResaKVLayer(StaticKVLayer):
-    """A static KV layer that, on full-attention layers, also holds the block descriptors [B, Hkv, NB, D] and
-    the selection's score histogram (scratch kept zeroed between steps, kernels/block_select)."""
+    """A static KV layer that, on full-attention layers, also holds the block descriptors [B, Hkv, NB, D] (max
+    and min keys; with the centroid rule, each plus the block's mean key) and the selection's score histogram
+    (scratch kept zeroed between steps, kernels/block_select)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -43,7 +45,6 @@ class ResaKVLayer(StaticKVLayer):
             n_blocks = cdiv(self.capacity, self.owner.block_size)
             self.kmax = torch.zeros(batch, heads, n_blocks, dim, dtype=self.dtype, device=self.device)
             self.kmin = torch.zeros_like(self.kmax)
-            self.kmean = torch.zeros_like(self.kmax) if self.owner.rule.centroid else None
             self.score_bins = new_histogram(batch, heads, self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -53,14 +54,14 @@ class ResaKVLayer(StaticKVLayer):
         if not (owner.decoding and self.is_initialized and not self.is_sliding and key_states.shape[2] == 1):
             return super().update(key_states, value_states, *args, **kwargs)
         append_kv(self.keys, self.values, key_states, value_states, owner.position_on(self.device),
-                  descriptors=(self.kmax, self.kmin, self.kmean), length=owner.length_on(self.device),
-                  block_size=owner.block_size)
+                  descriptors=(self.kmax, self.kmin, None), length=owner.length_on(self.device),
+                  block_size=owner.block_size, fold_mean=owner.rule.centroid)
         return self.keys, self.values
 
     def nbytes(self) -> int:
         extra = 0
         if self.is_initialized and not self.is_sliding:
-            extra = sum(t.nbytes for t in (self.kmax, self.kmin, self.kmean, self.score_bins) if t is not None)
+            extra = sum(t.nbytes for t in (self.kmax, self.kmin, self.score_bins))
         return super().nbytes() + extra
 
 
@@ -102,7 +103,8 @@ class ResaState(DocumentState):
 
 
 def _describe(layer: ResaKVLayer, key: torch.Tensor, length: torch.Tensor, n_new: int, block_size: int) -> None:
-    update_block_descriptors(key, layer.kmax, layer.kmin, length, n_new, block_size, layer.kmean)
+    update_block_descriptors(key, layer.kmax, layer.kmin, length, n_new, block_size,
+                             fold_mean=layer.owner.rule.centroid)
 
 
 def _clock(cache: ResaKVCache, key: str, start: float) -> float:
@@ -138,7 +140,7 @@ class ResaEngine(Engine):
         # The new key's block descriptors were refreshed with its K/V write (ResaKVLayer.update).
         start = time.perf_counter()
         blocks = select_blocks(query[:, :, 0], layer.kmax, layer.kmin, length, block_size=longctx.block_size,
-                               rule=longctx.rule, width=longctx.width, scale=scaling, kmean=layer.kmean,
+                               rule=longctx.rule, width=longctx.width, scale=scaling, folded=longctx.rule.centroid,
                                histogram=layer.score_bins)
         start = _clock(longctx, "estimation_s", start)
         out = sparse_decode_attention(query[:, :, 0], key, value, blocks, length, block_size=longctx.block_size,
@@ -154,13 +156,12 @@ class ResaEngine(Engine):
     @classmethod
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None, *, chunk_size: int,
                     reserve: int) -> int:
-        """The KV cache plus, on full-attention layers, max and min descriptors: 2/block_size of the keys (and
-        the mean: 3/block_size, with centroid), and the selection's histogram (int32, HIST_BINS per KV head)."""
+        """The KV cache plus, on full-attention layers, two descriptors per block (2/block_size of the keys; the
+        centroid is folded into them), and the selection's histogram (int32, HIST_BINS per KV head)."""
         cfg = engine_config or ResaConfig()
         n_blocks = cdiv(n_tokens, cfg.block_size)
-        # A block's max and min keys together take the bytes of one token's K and V; the mean half of that.
+        # A block's two descriptors together take the bytes of one token's K and V.
         descriptors = len(full_layers(model_config)) * kv_token_bytes(model_config, dtype_bytes) * n_blocks
-        descriptors += descriptors // 2 if cfg.centroid else 0
         kv_heads = model_config.get_text_config(decoder=True).num_key_value_heads
         descriptors += len(full_layers(model_config)) * kv_heads * HIST_BINS * 4
         return super().memory_plan(model_config, n_tokens, dtype_bytes, chunk_size=chunk_size,
@@ -172,7 +173,7 @@ class ResaEngine(Engine):
         block, every = self.config.block_size, self.config.rectify_every
         n_blocks = cdiv(n_tokens, block)
         kept = min(n_tokens, self.config.rule.keep(n_blocks) * block)
-        described = n_blocks * 3 // 2 if self.config.centroid else n_blocks  # max + min (+ mean) of K
+        described = n_blocks  # two descriptors per block: one token's K and V
         sparse = kept + described + (n_tokens // every if every else 0)  # token equivalents per covered layer
         covered = len(full_layers(model_config)) * kv_token_bytes(model_config, dtype_bytes)
         return Engine.kv_read_bytes(model_config, n_tokens, dtype_bytes) + covered * (sparse - n_tokens)
@@ -224,7 +225,11 @@ class ResaEngine(Engine):
         state.rectifications += 1
 
     reusable = True
-    _DESCRIPTORS = ("kmax", "kmin", "kmean")
+    _DESCRIPTORS = ("kmax", "kmin")
+
+    def state_inputs(self, n_tokens: int, reserve: int) -> dict:
+        # What the descriptors hold changes what a saved state means.
+        return {"descriptors": "max+mean, min+mean" if self.config.centroid else "max, min"}
 
     def _descriptor_layers(self, cache: ResaKVCache) -> list[tuple[int, ResaKVLayer]]:
         return [(i, layer) for i, layer in enumerate(cache.layers) if not layer.is_sliding and layer.is_initialized]
@@ -235,8 +240,7 @@ class ResaEngine(Engine):
         the answer write only there (their K/V land past the document, which the base checkpoint covers)."""
         first = state.n_tokens // self.config.block_size
         saved = [(layer, name, getattr(layer, name)[:, :, first:].clone())
-                 for _, layer in self._descriptor_layers(state.cache) for name in self._DESCRIPTORS
-                 if getattr(layer, name) is not None]
+                 for _, layer in self._descriptor_layers(state.cache) for name in self._DESCRIPTORS]
         return state.position, first, saved
 
     @torch.inference_mode()
@@ -251,8 +255,7 @@ class ResaEngine(Engine):
         used = cdiv(state.n_tokens, self.config.block_size)
         for i, layer in self._descriptor_layers(state.cache):
             for name in self._DESCRIPTORS:
-                if getattr(layer, name) is not None:
-                    tensors[f"layers.{i}.{name}"] = getattr(layer, name)[:, :, :used]
+                tensors[f"layers.{i}.{name}"] = getattr(layer, name)[:, :, :used]
         return tensors, meta
 
     @torch.inference_mode()
@@ -261,8 +264,7 @@ class ResaEngine(Engine):
         used = cdiv(state.n_tokens, self.config.block_size)
         for i, layer in self._descriptor_layers(state.cache):
             for name in self._DESCRIPTORS:
-                if getattr(layer, name) is not None:
-                    getattr(layer, name)[:, :, :used] = tensors[f"layers.{i}.{name}"]
+                getattr(layer, name)[:, :, :used] = tensors[f"layers.{i}.{name}"]
         return state
 
     def counters(self, state: ResaState) -> dict:

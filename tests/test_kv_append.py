@@ -58,7 +58,7 @@ def test_descriptors_need_one_token_and_a_length():
                   length=torch.tensor([5]))
 
 
-@pytest.mark.parametrize("describe", [False, True], ids=["kv", "kv+descriptors"])
+@pytest.mark.parametrize("describe", [False, True, "fold"], ids=["kv", "kv+descriptors", "kv+folded"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize(("B", "H", "T", "D", "DV", "pos"), [
     pytest.param(1, 8, 1, 128, 128, 4096, id="B1-H8-T1-D128-pos4096"),
@@ -84,14 +84,22 @@ def test_append_kv_triton(B, H, T, D, DV, pos, dtype, describe, seq_major):
     want_k, want_v = keys.clone().cpu(), values.clone().cpu()
     kw = {}
     want_kw = {}
+    fold = describe == "fold"
     if describe:
         d = _described(keys.cpu(), length.cpu() - 1)
-        kw = dict(descriptors=tuple(t.to(TRITON_DEVICE) for t in d), length=length)
-        want_kw = dict(descriptors=d, length=length.cpu())
+        d = (d[0], d[1], None) if fold else d
+        kw = dict(descriptors=tuple(None if t is None else t.to(TRITON_DEVICE) for t in d), length=length,
+                  fold_mean=fold)
+        want_kw = dict(descriptors=d, length=length.cpu(), fold_mean=fold)
     append_kv_triton(keys, values, k_new, v_new, position, **kw)
     append_kv_reference(want_k, want_v, k_new.cpu(), v_new.cpu(), position.cpu(), **want_kw)
     assert torch.equal(keys.cpu(), want_k) and torch.equal(values.cpu(), want_v)
-    if describe:
+    if fold:
+        # max + mean and min + mean: fp32 sums, perhaps in another order, rounded to the dtype.
+        tol = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+        for i in (0, 1):
+            torch.testing.assert_close(kw["descriptors"][i].cpu(), want_kw["descriptors"][i], equal_nan=True, **tol)
+    elif describe:
         got, want = kw["descriptors"], want_kw["descriptors"]
         for i in (0, 1):  # max and min exactly (NaN: blocks not yet described, on both sides)
             torch.testing.assert_close(got[i].cpu(), want[i], rtol=0, atol=0, equal_nan=True)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kernels import cdiv
+from kernels.block_descriptors import update_block_descriptors
 from kernels.block_descriptors import update_block_descriptors_reference as update_ref
 from kernels.block_select import HIST_BINS, KeepRule, block_scores, new_histogram, select_blocks
 from kernels.block_select import select_blocks_reference as select_ref
@@ -36,13 +37,13 @@ def _keys(B, H, S, D, lengths, dtype=torch.float32, device="cpu"):
     return k
 
 
-def _descriptors(keys, lengths):
+def _descriptors(keys, lengths, fold_mean=False):
     B, H, S, D = keys.shape
     nb = cdiv(S, BS)
     kmax = torch.full((B, H, nb, D), float("nan"), dtype=keys.dtype, device=keys.device)
     kmin = kmax.clone()
     for b, n in enumerate(lengths):
-        update_ref(keys[b:b + 1], kmax[b:b + 1], kmin[b:b + 1], torch.tensor([n]), n, BS)
+        update_ref(keys[b:b + 1], kmax[b:b + 1], kmin[b:b + 1], torch.tensor([n]), n, BS, fold_mean=fold_mean)
     return kmax, kmin
 
 
@@ -112,6 +113,39 @@ def test_centroid_scores_average_the_bound_and_the_mean_key(pooling):
             expected += est if pooling == "mean" else torch.softmax(est * scale, 0)
         torch.testing.assert_close(got[0, h, 1:n_blocks - 2], expected)
         assert got[0, h, 0] == float("inf") and (got[0, h, n_blocks:] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("pooling", ["mean", "softmax"])
+def test_folded_descriptors_give_the_centroid_scores(pooling):
+    """max + mean and min + mean as the two descriptors (fold_mean, written incrementally): Quest's bound over them
+    is the bound plus q . mean, so `folded` scores equal the centroid rule's from three descriptors."""
+    torch.manual_seed(0)
+    L, D, scale = 300, 16, 0.25
+    keys = _keys(1, 2, 310, D, [L])
+    q = torch.randn(1, 8, D)
+    kmax, kmin = _descriptors(keys, [L])
+    kmean = _means(keys, [L])
+    upper = torch.full_like(kmax, float("nan"))
+    lower = upper.clone()
+    end = 0
+    for n in (37, 5, 100, 1, 1, 16, 140):
+        end += n
+        update_ref(keys, upper, lower, torch.tensor([end]), n, BS, fold_mean=True)
+    n_blocks = cdiv(L, BS)
+    torch.testing.assert_close(upper[:, :, :n_blocks], kmax[:, :, :n_blocks] + kmean[:, :, :n_blocks])
+    torch.testing.assert_close(lower[:, :, :n_blocks], kmin[:, :, :n_blocks] + kmean[:, :, :n_blocks])
+    args = dict(block_size=BS, local_blocks=1, sink_blocks=1, pooling=pooling, scale=scale)
+    want = block_scores(q, kmax, kmin, torch.tensor([L]), kmean=kmean, **args)
+    got = block_scores(q, upper, lower, torch.tensor([L]), folded=True, **args)
+    torch.testing.assert_close(got, want)
+    rule = KeepRule(0.2, 4, 1, 1, pooling=pooling, centroid=True)
+    width = rule.keep(kmax.shape[2])
+    assert torch.equal(select_blocks(q, upper, lower, torch.tensor([L]), block_size=BS, rule=rule, width=width,
+                                     scale=scale, folded=True),
+                       select_ref(q, kmax, kmin, torch.tensor([L]), block_size=BS, rule=rule, width=width,
+                                  scale=scale, kmean=kmean))
+    with pytest.raises(ValueError, match="no kmean"):
+        update_block_descriptors(keys, upper, lower, torch.tensor([L]), 1, BS, kmean, fold_mean=True)
 
 
 def test_centroid_rule_needs_the_mean_descriptor():
@@ -296,6 +330,7 @@ def _lowp_error(q, keys, values, toks_per_row, scale):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
 @pytest.mark.triton
 def test_descriptors_triton(dtype, D, L, n_new):
+    """max / min exactly, the mean (kept apart) to rounding; see test_descriptors_triton_folded."""
     from kernels.block_descriptors.triton import update_block_descriptors_triton
 
     _supported(dtype)
@@ -326,7 +361,29 @@ def _problem(B, group, L, D, dtype, S=None):
     return [t.to(DEVICE) for t in (q, keys, values, kmax, kmin)] + [torch.tensor(lengths, device=DEVICE)]
 
 
-@pytest.mark.parametrize("pooling", ["mean", "softmax", "mean+centroid", "softmax+centroid"])
+@pytest.mark.parametrize("n_new", [1, 33], ids=lambda n: f"new{n}")
+@pytest.mark.parametrize("D", [64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+@pytest.mark.triton
+def test_descriptors_triton_folded(dtype, D, n_new):
+    """fold_mean: max + mean and min + mean, summed in fp32 and rounded once, as the reference does."""
+    from kernels.block_descriptors.triton import update_block_descriptors_triton
+
+    _supported(dtype)
+    L = 1000
+    keys = _keys(1, 4, L + 40, D, [L], dtype=dtype, device=DEVICE)
+    upper, lower = _descriptors(keys.cpu(), [L - n_new])
+    got_upper, got_lower = upper.to(DEVICE), lower.to(DEVICE)
+    update_block_descriptors_triton(keys, got_upper, got_lower, torch.tensor([L], device=DEVICE), n_new, BS,
+                                    fold_mean=True)
+    update_ref(keys.cpu(), upper, lower, torch.tensor([L]), n_new, BS, fold_mean=True)
+    tol = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(got_upper.cpu(), upper, equal_nan=True, **tol)
+    torch.testing.assert_close(got_lower.cpu(), lower, equal_nan=True, **tol)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "softmax", "mean+centroid", "softmax+centroid", "mean+folded",
+                                     "softmax+folded"])
 @pytest.mark.parametrize("L", [1, 17, 1000, 4097, 32768], ids=lambda n: f"L{n}")
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")
 @pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
@@ -335,19 +392,23 @@ def test_select_triton_matches_reference(D, group, L, pooling):
     from kernels.block_select.triton import select_blocks_triton
 
     q, keys, _, kmax, kmin, length = _problem(2, group, L, D, torch.float16 if DEVICE == "cpu" else torch.bfloat16)
-    pooling, centroid = pooling.split("+")[0], pooling.endswith("+centroid")
-    kmean = _means(keys.cpu(), length.tolist()).to(DEVICE) if centroid else None
+    pooling, variant = pooling.split("+")[0], pooling.partition("+")[2]
+    centroid, folded = variant in ("centroid", "folded"), variant == "folded"
+    kmean = _means(keys.cpu(), length.tolist()).to(DEVICE) if variant == "centroid" else None
+    if folded:
+        kmax, kmin = (t.to(DEVICE) for t in _descriptors(keys.cpu(), length.tolist(), fold_mean=True))
     rule = KeepRule(0.1, 16, 1, 1 if pooling == "softmax" else 0, pooling=pooling, centroid=centroid)
     width = rule.keep(kmax.shape[2]) + 5
     got = select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width, scale=D**-0.5,
-                               kmean=kmean)
-    cpu_mean = kmean.cpu() if centroid else None
+                               kmean=kmean, folded=folded)
+    cpu_mean = kmean.cpu() if kmean is not None else None
     ref = select_ref(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, rule=rule, width=width,
-                     scale=D**-0.5, kmean=cpu_mean)
+                     scale=D**-0.5, kmean=cpu_mean, folded=folded)
     if not torch.equal(got.cpu(), ref):
         # Summation order may flip near-ties: the kernel's choice must still be a top-k under reference scores.
         scores = block_scores(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, local_blocks=1,
-                              sink_blocks=rule.sink_blocks, pooling=pooling, scale=D**-0.5, kmean=cpu_mean)
+                              sink_blocks=rule.sink_blocks, pooling=pooling, scale=D**-0.5, kmean=cpu_mean,
+                              folded=folded)
         for b in range(2):
             for h in range(2):
                 a, r = got[b, h].cpu(), ref[b, h]

@@ -8,7 +8,8 @@ from kernels import cdiv
 
 
 def update_block_descriptors(keys: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor,
-                             n_new: int, block_size: int, kmean: torch.Tensor | None = None) -> None:
+                             n_new: int, block_size: int, kmean: torch.Tensor | None = None,
+                             fold_mean: bool = False) -> None:
     """keys: [B, Hkv, S, D]; kmax, kmin: [B, Hkv, NB, D]; length: [B]. See kernels.block_descriptors."""
     B, H, _, D = keys.shape
     for b, end in enumerate(length.tolist()):
@@ -17,12 +18,16 @@ def update_block_descriptors(keys: torch.Tensor, kmax: torch.Tensor, kmin: torch
         seg = keys[b, :, lo * block_size:end]  # [H, n, D]
         pad = (hi - lo) * block_size - seg.shape[1]
         # The last block may be partly filled: pad it so that the padding never wins the max or the min.
-        top = torch.cat([seg, seg.new_full((H, pad, D), float("-inf"))], dim=1)
-        bottom = torch.cat([seg, seg.new_full((H, pad, D), float("inf"))], dim=1)
-        kmax[b, :, lo:hi] = top.view(H, hi - lo, block_size, D).amax(dim=2)
-        kmin[b, :, lo:hi] = bottom.view(H, hi - lo, block_size, D).amin(dim=2)
-        if kmean is not None:
+        top = torch.cat([seg, seg.new_full((H, pad, D), float("-inf"))], dim=1).view(H, hi - lo, block_size, D)
+        bottom = torch.cat([seg, seg.new_full((H, pad, D), float("inf"))], dim=1).view(H, hi - lo, block_size, D)
+        top, bottom = top.amax(dim=2), bottom.amin(dim=2)
+        if kmean is not None or fold_mean:
             total = torch.cat([seg.float(), seg.new_zeros((H, pad, D), dtype=torch.float32)], dim=1)
             count = (end - torch.arange(lo, hi) * block_size).clamp(max=block_size).to(torch.float32)
-            kmean[b, :, lo:hi] = (total.view(H, hi - lo, block_size, D).sum(dim=2) / count[None, :, None].to(
-                keys.device)).to(kmean.dtype)
+            mean = total.view(H, hi - lo, block_size, D).sum(dim=2) / count[None, :, None].to(keys.device)
+            if fold_mean:
+                top, bottom = top.float() + mean, bottom.float() + mean
+            else:
+                kmean[b, :, lo:hi] = mean.to(kmean.dtype)
+        kmax[b, :, lo:hi] = top.to(kmax.dtype)
+        kmin[b, :, lo:hi] = bottom.to(kmin.dtype)

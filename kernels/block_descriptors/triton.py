@@ -13,7 +13,7 @@ from kernels._triton_common import check_device, launch_context
 def _block_descriptors_kernel(
     K, Kmax, Kmin, Kmean, Length, n_kv_heads, n_new,
     stride_kb, stride_kh, stride_ks, stride_db, stride_dh, stride_dn,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MEAN: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MEAN: tl.constexpr, FOLD: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = (pid_bh // n_kv_heads).to(tl.int64)
@@ -31,17 +31,21 @@ def _block_descriptors_kernel(
     # A program past the last touched block (n_new not block aligned) writes nothing.
     keep = (blk * BLOCK < length) & (offs_d < HEAD_DIM)
     dst = b * stride_db + h * stride_dh + blk * stride_dn + offs_d
-    tl.store(Kmax + dst, top.to(Kmax.dtype.element_ty), mask=keep)
-    tl.store(Kmin + dst, bottom.to(Kmin.dtype.element_ty), mask=keep)
-    if MEAN:
+    if MEAN or FOLD:
         count = tl.minimum(length - blk * BLOCK, BLOCK).to(tl.float32)
         mean = tl.sum(k.to(tl.float32), 0) / tl.maximum(count, 1.0)
-        tl.store(Kmean + dst, mean.to(Kmean.dtype.element_ty), mask=keep)
+        if FOLD:
+            top = top.to(tl.float32) + mean
+            bottom = bottom.to(tl.float32) + mean
+        else:
+            tl.store(Kmean + dst, mean.to(Kmean.dtype.element_ty), mask=keep)
+    tl.store(Kmax + dst, top.to(Kmax.dtype.element_ty), mask=keep)
+    tl.store(Kmin + dst, bottom.to(Kmin.dtype.element_ty), mask=keep)
 
 
 def update_block_descriptors_triton(keys: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor,
                                     length: torch.Tensor, n_new: int, block_size: int,
-                                    kmean: torch.Tensor | None = None) -> None:
+                                    kmean: torch.Tensor | None = None, fold_mean: bool = False) -> None:
     """Same contract as reference.update_block_descriptors; CUDA-graph capturable."""
     if keys.dim() != 4:
         raise ValueError(f"expected keys of shape [B, Hkv, S, D], got {tuple(keys.shape)}")
@@ -67,5 +71,6 @@ def update_block_descriptors_triton(keys: torch.Tensor, kmax: torch.Tensor, kmin
         _block_descriptors_kernel[(B * H, touched)](
             keys, kmax, kmin, kmax if kmean is None else kmean, length, H, n_new,
             keys.stride(0), keys.stride(1), keys.stride(2), kmax.stride(0), kmax.stride(1), kmax.stride(2),
-            BLOCK=block_size, HEAD_DIM=D, MEAN=kmean is not None, num_warps=4 if block_size * D >= 4096 else 2,
+            BLOCK=block_size, HEAD_DIM=D, MEAN=kmean is not None, FOLD=fold_mean,
+            num_warps=4 if block_size * D >= 4096 else 2,
         )

@@ -38,22 +38,25 @@ def _triton_impl():
 
 def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                   block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
-                  kmean: torch.Tensor | None = None, histogram: torch.Tensor | None = None) -> torch.Tensor:
+                  kmean: torch.Tensor | None = None, folded: bool = False,
+                  histogram: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; kmax, kmin (and kmean, required by rule.centroid): [B, Hkv, NB, D]; length: [B] int64
     (valid keys, the new one included); scale: the attention's softmax scale (used by rule.pooling "softmax").
+    folded: kmax and kmin hold max + mean and min + mean (kernels/block_descriptors' fold_mean): rule.centroid's
+    score is then half their bound, from two descriptors instead of three (kmean not read).
     histogram: scratch the Triton kernels keep zeroed between calls, int32 [B, Hkv, HIST_BINS] (`new_histogram`);
     it shortens their search and changes no result. The reference ignores it.
 
     Returns block indices [B, Hkv, width] int32: the kept blocks ascending, then -1. width >= rule.keep(NB).
     """
-    if rule.centroid and kmean is None:
-        raise ValueError("rule.centroid needs the kmean descriptor")
-    args = dict(block_size=block_size, rule=rule, width=width, scale=scale, kmean=kmean)
+    if rule.centroid and kmean is None and not folded:
+        raise ValueError("rule.centroid needs the kmean descriptor, or descriptors with the mean folded in")
+    args = dict(block_size=block_size, rule=rule, width=width, scale=scale, kmean=None if folded else kmean,
+                folded=folded)
     impl = _triton_impl() if q.is_cuda else None
     if impl is None:
         return select_blocks_reference(q, kmax, kmin, length, **args)
     return impl(q, kmax, kmin, length, histogram=histogram, **args)
-
 
 
 def new_histogram(batch: int, kv_heads: int, device) -> torch.Tensor:

@@ -48,10 +48,11 @@ class KeepRule:
 
 def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                  block_size: int, local_blocks: int, sink_blocks: int = 0, pooling: str = "mean",
-                 scale: float = 1.0, kmean: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: float = 1.0, kmean: torch.Tensor | None = None, folded: bool = False) -> torch.Tensor:
     """Scores [B, Hkv, NB] fp32: the group's pooled Quest bounds (see KeepRule), +inf for the forced (local and
     sink) blocks, -inf past the end. scale (the attention's) only matters to softmax pooling. kmean given: each
-    bound is averaged with q . kmean (KeepRule.centroid)."""
+    bound is averaged with q . kmean (KeepRule.centroid). folded (kmean None): kmax and kmin hold max + mean and
+    min + mean (kernels/block_descriptors' fold_mean), whose bound is the bound plus q . mean: it is halved."""
     B, Hq, D = q.shape
     Hkv, NB = kmax.shape[1], kmax.shape[2]
     qg = q.float().view(B, Hkv, Hq // Hkv, D)
@@ -64,11 +65,15 @@ def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length
         s = torch.maximum(qbar * kmax.float(), qbar * kmin.float()).sum(dim=-1)  # [B, Hkv, NB]
         if kmean is not None:
             s = (s + (qbar * kmean.float()).sum(dim=-1)) * 0.5
+        elif folded:
+            s = s * 0.5
     else:
         bound = torch.maximum(qg[:, :, :, None] * kmax.float()[:, :, None],
                               qg[:, :, :, None] * kmin.float()[:, :, None]).sum(dim=-1)  # [B, Hkv, G, NB]
         if kmean is not None:
             bound = (bound + torch.einsum("bhgd,bhnd->bhgn", qg, kmean.float())) * 0.5
+        elif folded:
+            bound = bound * 0.5
         scored = (inside & ~forced)[:, :, None]  # [B, 1, 1, NB]
         s = torch.softmax((bound * scale).masked_fill(~scored, float("-inf")), dim=-1).nan_to_num(0.0).sum(dim=2)
     s = torch.where(forced, float("inf"), s)
@@ -77,12 +82,12 @@ def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length
 
 def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                   block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
-                  kmean: torch.Tensor | None = None) -> torch.Tensor:
+                  kmean: torch.Tensor | None = None, folded: bool = False) -> torch.Tensor:
     """See kernels.block_select.select_blocks. Ties are broken by torch.topk (the kernel: lowest index)."""
     B, Hkv = kmax.shape[:2]
     scores = block_scores(q, kmax, kmin, length, block_size=block_size, local_blocks=rule.local_blocks,
                           sink_blocks=rule.sink_blocks, pooling=rule.pooling, scale=scale,
-                          kmean=kmean if rule.centroid else None)
+                          kmean=kmean if rule.centroid and not folded else None, folded=rule.centroid and folded)
     out = torch.full((B, Hkv, width), -1, dtype=torch.int32, device=q.device)
     for b, n in enumerate(length.tolist()):
         k = rule.keep(cdiv(n, block_size))

@@ -38,7 +38,8 @@ _LOG2E = 1.4426950408889634
 def _block_scores_kernel(
     Q, Kmax, Kmin, Kmean, Length, Scores, Hist, n_kv_heads, n_blocks_cap, local_blocks, sink_blocks, stride_qb,
     stride_qh, stride_db, stride_dh, stride_dn, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, CENTROID: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, CENTROID: tl.constexpr, FOLDED: tl.constexpr, HIST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Mean pooling (the paper's rule), one (batch, kv head, tile of blocks) per program."""
     grid_dependency_wait(PDL)
@@ -54,14 +55,16 @@ def _block_scores_kernel(
     base = b * stride_db + h * stride_dh + offs[:, None] * stride_dn + offs_d[None, :]
     top = tl.load(Kmax + base, mask=scored[:, None], other=0.0).to(tl.float32)
     bottom = tl.load(Kmin + base, mask=scored[:, None], other=0.0).to(tl.float32)
-    if CENTROID:
+    if CENTROID and not FOLDED:
         mean = tl.load(Kmean + base, mask=scored[:, None], other=0.0).to(tl.float32)
     q_row = Q + b * stride_qb + h * GROUP * stride_qh + offs_d
     offs_g = tl.arange(0, G_PAD)
     q = tl.load(q_row[None, :] + offs_g[:, None] * stride_qh, mask=offs_g[:, None] < GROUP, other=0.0)
     qbar = tl.sum(q.to(tl.float32), 0) / GROUP  # [HEAD_DIM]
     s = tl.sum(tl.maximum(qbar[None, :] * top, qbar[None, :] * bottom), 1)
-    if CENTROID:
+    if FOLDED:
+        s = s * 0.5  # the descriptors' bound is Quest's plus q . mean
+    elif CENTROID:
         s = (s + tl.sum(qbar[None, :] * mean, 1)) * 0.5
     s = tl.where(scored, s, tl.where(offs < n_blocks, float("inf"), float("-inf")))
     tl.store(Scores + pid_bh.to(tl.int64) * n_blocks_cap + offs, s, mask=offs < n_blocks_cap)
@@ -84,7 +87,7 @@ def _head_bounds_kernel(
     Q, Kmax, Kmin, Kmean, Length, Bounds, TileMax, TileSum, n_kv_heads, n_blocks_cap, n_tiles, local_blocks,
     sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn,
     GROUP: tl.constexpr, G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
-    CENTROID: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    CENTROID: tl.constexpr, FOLDED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Softmax pooling's first half, one (batch, kv head, tile of blocks) per program: every head's scaled
     bounds, and the tile's per-head max and sum of exp2. Quest's bound is two products on the tensor cores:
@@ -112,7 +115,9 @@ def _head_bounds_kernel(
     q_pos = tl.maximum(q, zero).to(top.dtype)  # Triton computes half-precision max / min in fp32
     q_neg = tl.minimum(q, zero).to(top.dtype)
     s = _dot(q_pos, top, IEEE) + _dot(q_neg, bottom, IEEE)  # [G_DOT, TILE]
-    if CENTROID:
+    if FOLDED:
+        s = s * 0.5  # the descriptors' bound is Quest's plus q . mean
+    elif CENTROID:
         mean = tl.load(Kmean + base, mask=scored[:, None], other=0.0)
         s = (s + _dot(q, mean.to(q.dtype), IEEE)) * 0.5
     s = tl.where(scored[None, :], s * scale_log2, float("-inf"))
@@ -157,7 +162,8 @@ def _softmax_pool_kernel(
 
 def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                          block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
-                         kmean: torch.Tensor | None = None, histogram: torch.Tensor | None = None) -> torch.Tensor:
+                         kmean: torch.Tensor | None = None, folded: bool = False,
+                         histogram: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.select_blocks; CUDA-graph capturable. histogram: int32 [B, Hkv, HIST_BINS],
     zeros, kept by the caller across calls (the top-k zeroes it again); without it the top-k's search starts from
     the scores' range."""
@@ -168,7 +174,8 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
         raise ValueError(f"expected kmax of shape [{B}, Hkv, NB, {D}] with Hq % Hkv == 0, got {tuple(kmax.shape)}")
     if kmin.shape != kmax.shape or kmin.stride() != kmax.stride():
         raise ValueError(f"expected kmin shaped and strided like kmax {tuple(kmax.shape)}, got {tuple(kmin.shape)}")
-    if rule.centroid and (kmean is None or kmean.shape != kmax.shape or kmean.stride() != kmax.stride()):
+    separate_mean = rule.centroid and not folded
+    if separate_mean and (kmean is None or kmean.shape != kmax.shape or kmean.stride() != kmax.stride()):
         raise ValueError(f"expected kmean shaped and strided like kmax {tuple(kmax.shape)} (rule.centroid), got "
                          f"{None if kmean is None else tuple(kmean.shape)}")
     Hkv, NB = kmax.shape[1], kmax.shape[2]
@@ -182,7 +189,7 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                                   or not histogram.is_contiguous()):
         raise ValueError(f"expected histogram of shape [{B}, {kmax.shape[1]}, {HIST_BINS}] int32 contiguous, got "
                          f"{tuple(histogram.shape)} {histogram.dtype}")
-    described = (("kmean", kmean),) if rule.centroid else ()
+    described = (("kmean", kmean),) if separate_mean else ()
     described += (("histogram", histogram),) if histogram is not None else ()
     for name, t in (("q", q), ("kmax", kmax), ("kmin", kmin), ("length", length), *described):
         check_device(name, t, q.device)
@@ -205,11 +212,12 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
             # Tensor-core products in the descriptors' half precision when q shares it; fp32 otherwise.
             ieee = kmax.dtype == torch.float32 or q.dtype != kmax.dtype
             _head_bounds_kernel[(B * Hkv, n_tiles)](
-                q, kmax, kmin, kmean if rule.centroid else kmax, length, bounds, tile_max, tile_sum, Hkv, NB,
+                q, kmax, kmin, kmean if separate_mean else kmax, length, bounds, tile_max, tile_sum, Hkv, NB,
                 n_tiles, rule.local_blocks, rule.sink_blocks, scale * _LOG2E, q.stride(0), q.stride(1),
                 kmax.stride(0), kmax.stride(1), kmax.stride(2), GROUP=group,
                 G_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size, TILE=tile,
-                CENTROID=rule.centroid, IEEE=ieee, PDL=pdl, launch_pdl=pdl, num_warps=_SCORE_WARPS,
+                CENTROID=rule.centroid, FOLDED=rule.centroid and folded, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
+                num_warps=_SCORE_WARPS,
             )
             _softmax_pool_kernel[(B * Hkv, n_tiles)](
                 bounds, tile_max, tile_sum, length, scores, hist_arg, Hkv, NB, n_tiles, rule.local_blocks,
@@ -218,10 +226,11 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
             )
         else:
             _block_scores_kernel[(B * Hkv, n_tiles)](
-                q, kmax, kmin, kmean if rule.centroid else kmax, length, scores, hist_arg, Hkv, NB,
+                q, kmax, kmin, kmean if separate_mean else kmax, length, scores, hist_arg, Hkv, NB,
                 rule.local_blocks, rule.sink_blocks, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
                 kmax.stride(2), GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D,
-                BLOCK=block_size, TILE=_SCORE_TILE, CENTROID=rule.centroid, HIST=hist, PDL=pdl, launch_pdl=pdl,
+                BLOCK=block_size, TILE=_SCORE_TILE, CENTROID=rule.centroid, FOLDED=rule.centroid and folded,
+                HIST=hist, PDL=pdl, launch_pdl=pdl,
                 num_warps=4,
             )
         if NB <= _RESIDENT_MAX:

@@ -18,7 +18,7 @@ def _append_kv_kernel(
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_nb, stride_nh, stride_nt, stride_wb, stride_wh, stride_wt, stride_db, stride_dh, stride_dn,
     D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr,
-    DESCRIBE: tl.constexpr, MEAN: tl.constexpr, PDL: tl.constexpr,
+    DESCRIBE: tl.constexpr, MEAN: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr,
 ):
     grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0)
@@ -49,17 +49,21 @@ def _append_kv_kernel(
         top = tl.max(tl.where(valid[:, None], rows, float("-inf")), 0)
         bottom = tl.min(tl.where(valid[:, None], rows, float("inf")), 0)
         dst = b * stride_db + h * stride_dh + blk * stride_dn + offs_d
-        tl.store(Kmax + dst, top.to(Kmax.dtype.element_ty), mask=in_d)
-        tl.store(Kmin + dst, bottom.to(Kmin.dtype.element_ty), mask=in_d)
-        if MEAN:
+        if MEAN or FOLD:
             count = tl.minimum(length - blk * BLOCK, BLOCK).to(tl.float32)
             mean = tl.sum(tl.where(valid[:, None], rows.to(tl.float32), 0.0), 0) / tl.maximum(count, 1.0)
-            tl.store(Kmean + dst, mean.to(Kmean.dtype.element_ty), mask=in_d)
+            if FOLD:
+                top = top.to(tl.float32) + mean
+                bottom = bottom.to(tl.float32) + mean
+            else:
+                tl.store(Kmean + dst, mean.to(Kmean.dtype.element_ty), mask=in_d)
+        tl.store(Kmax + dst, top.to(Kmax.dtype.element_ty), mask=in_d)
+        tl.store(Kmin + dst, bottom.to(Kmin.dtype.element_ty), mask=in_d)
 
 
 def append_kv_triton(keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                      position: torch.Tensor, *, descriptors: tuple | None = None, length: torch.Tensor | None = None,
-                     block_size: int = 16) -> None:
+                     block_size: int = 16, fold_mean: bool = False) -> None:
     """Same contract as reference.append_kv; CUDA-graph capturable."""
     if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
         raise ValueError(f"expected keys [B, Hkv, S, D] and values [B, Hkv, S, Dv], got {tuple(keys.shape)} and "
@@ -101,6 +105,6 @@ def append_kv_triton(keys: torch.Tensor, values: torch.Tensor, key_states: torch
             value_states.stride(0), value_states.stride(1), value_states.stride(2),
             kmax.stride(0), kmax.stride(1), kmax.stride(2),
             D=D, DV=DV, D_PAD=triton.next_power_of_2(D), DV_PAD=triton.next_power_of_2(DV), BLOCK=block_size,
-            DESCRIBE=descriptors is not None, MEAN=kmean is not None, PDL=pdl, launch_pdl=pdl,
+            DESCRIBE=descriptors is not None, MEAN=kmean is not None, FOLD=fold_mean, PDL=pdl, launch_pdl=pdl,
             num_warps=4 if descriptors is not None and block_size * D >= 4096 else (2 if descriptors else 1),
         )
