@@ -57,8 +57,8 @@ def _bench(fn) -> float:
 
 
 def measure(q, kmax, kmin, n, scale, stages=True) -> dict:
-    """One layer's selection: q [1, Hq, D], descriptors [1, Hkv, NB, D] (the mean folded in), n [1]. Times (µs), search steps per head
-    (bracketed by the scores' range, and by the histogram's bin: steps_hist)."""
+    """One layer's selection: q [1, Hq, D], descriptors [1, Hkv, NB, D] (the mean folded in), n [1]. Times (µs),
+    search steps per head (bracketed by the scores' range, and by the histogram's bin: steps_hist)."""
     Hq, D = q.shape[1:]
     Hkv, NB = kmax.shape[1:3]
     width = RULE.keep(NB)
@@ -96,7 +96,7 @@ def measure(q, kmax, kmin, n, scale, stages=True) -> dict:
         _topk_variant[(Hkv,)](scores, n, out, steps, hist, NB, width, num, den, RULE.min_blocks, Hkv, BLOCK=16,
             NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)),
             SEARCH=search, OUTPUT=output, RANGE=rng, HIST=with_hist,
-            num_warps=warps or min(16, max(4, triton.next_power_of_2((main + rest) // 1024))))
+            num_warps=warps or min(8 if main <= 16384 else 16, max(4, triton.next_power_of_2((main + rest) // 1024))))
     row = dict(n_blocks=NB, width=width, agree_with_reference=(got == ref).float().mean().item())
     t_()
     row.update(variant_equals_shipped=torch.equal(out, got), steps=steps.tolist())
