@@ -584,6 +584,15 @@ def test_combine_triton_matches_reference():
     assert (got[7] == 0).all() and got_lse[7] == float("-inf")
 
 
+def _captured(step):
+    """step() warmed up and captured by the engines' own capture: (graph, the outputs of the captured call)."""
+    from engines.decoding import capture_graph
+
+    outputs = []
+    graph = capture_graph(lambda: outputs.append(step()), torch.device("cuda"))
+    return graph, outputs[-1]
+
+
 @pytest.mark.gpu
 def test_sparse_step_in_a_cuda_graph_follows_length():
     """descriptor update + select + sparse attention captured once, replayed while the length grows."""
@@ -607,14 +616,7 @@ def test_sparse_step_in_a_cuda_graph_follows_length():
         blocks = select_blocks(q, kmax, kmin, length, block_size=BS, rule=rule, width=width)
         return blocks, sparse_decode_attention(q, keys, values, blocks, length, block_size=BS, scale=D**-0.5)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        blocks, out = step()
+    graph, (blocks, out) = _captured(step)
     for n in (5001, 5002, 6000, 8192):
         # Decoding grows the length one token at a time; for the jumps, bring the earlier blocks up to date.
         update_block_descriptors(keys, kmax, kmin, torch.tensor([n - 1], device="cuda"), n - 1, BS)
@@ -650,9 +652,9 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
         torch.manual_seed(0)
         opts = dict(device="cuda", dtype=torch.bfloat16)
         keys, values = torch.randn(B, Hkv, S, D, **opts), torch.randn(B, Hkv, S, D, **opts)
-        kmax, kmin, kmean = (torch.zeros(B, Hkv, S // BS, D, **opts) for _ in range(3))
+        kmax, kmin = (torch.zeros(B, Hkv, S // BS, D, **opts) for _ in range(2))
         n0 = 50000
-        update_block_descriptors(keys, kmax, kmin, torch.tensor([n0], device="cuda"), n0, BS, kmean)
+        update_block_descriptors(keys, kmax, kmin, torch.tensor([n0], device="cuda"), n0, BS, fold_mean=True)
         q, k_new, v_new = torch.randn(B, Hkv * G, D, **opts), torch.randn(B, Hkv, 1, D, **opts), \
             torch.randn(B, Hkv, 1, D, **opts)
         pos, length = torch.tensor([n0], device="cuda"), torch.tensor([n0 + 1], device="cuda")
@@ -660,26 +662,19 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
         width = rule.keep(S // BS)
 
         def step():
-            append_kv(keys, values, k_new, v_new, pos, descriptors=(kmax, kmin, kmean), length=length,
-                      block_size=BS)
+            append_kv(keys, values, k_new, v_new, pos, descriptors=(kmax, kmin, None), length=length,
+                      block_size=BS, fold_mean=True)
             blocks = select_blocks(q, kmax, kmin, length, block_size=BS, rule=rule, width=width, scale=D**-0.5,
-                                   kmean=kmean, histogram=histogram)
+                                   folded=True, histogram=histogram)
             return blocks, sparse_decode_attention(q, keys, values, blocks, length, block_size=BS, scale=D**-0.5)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            blocks, out = step()
+        graph, (blocks, out) = _captured(step)
         got = []
         for i in range(3):
             q.copy_(torch.randn_like(q))
             k_new.copy_(torch.randn_like(k_new))
             graph.replay()
-            got += [blocks.clone(), out.clone(), kmax.clone(), kmean.clone()]
+            got += [blocks.clone(), out.clone(), kmax.clone(), kmin.clone()]
             pos += 1
             length += 1
         torch.cuda.synchronize()

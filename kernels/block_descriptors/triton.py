@@ -26,21 +26,28 @@ def _block_descriptors_kernel(
     valid = offs < length
     ptrs = K + b * stride_kb + h * stride_kh + offs[:, None] * stride_ks + offs_d[None, :]
     k = tl.load(ptrs, mask=valid[:, None], other=0.0)
-    top = tl.max(tl.where(valid[:, None], k, float("-inf")), 0)
-    bottom = tl.min(tl.where(valid[:, None], k, float("inf")), 0)
     # A program past the last touched block (n_new not block aligned) writes nothing.
     keep = (blk * BLOCK < length) & (offs_d < HEAD_DIM)
-    dst = b * stride_db + h * stride_dh + blk * stride_dn + offs_d
+    store_block_descriptors(Kmax, Kmin, Kmean, b * stride_db + h * stride_dh + blk * stride_dn + offs_d, k, valid,
+                            tl.minimum(length - blk * BLOCK, BLOCK), keep, MEAN, FOLD)
+
+
+@triton.jit
+def store_block_descriptors(Kmax, Kmin, Kmean, dst, rows, valid, n_valid, mask, MEAN: tl.constexpr,
+                            FOLD: tl.constexpr):
+    """One block's descriptors from its keys rows [BLOCK, D] (valid: the n_valid rows holding keys), stored at
+    dst where mask: max and min, and the mean kept apart (MEAN) or added to both in fp32 (FOLD)."""
+    top = tl.max(tl.where(valid[:, None], rows, float("-inf")), 0)
+    bottom = tl.min(tl.where(valid[:, None], rows, float("inf")), 0)
     if MEAN or FOLD:
-        count = tl.minimum(length - blk * BLOCK, BLOCK).to(tl.float32)
-        mean = tl.sum(k.to(tl.float32), 0) / tl.maximum(count, 1.0)
+        mean = tl.sum(tl.where(valid[:, None], rows.to(tl.float32), 0.0), 0) / tl.maximum(n_valid.to(tl.float32), 1.0)
         if FOLD:
             top = top.to(tl.float32) + mean
             bottom = bottom.to(tl.float32) + mean
         else:
-            tl.store(Kmean + dst, mean.to(Kmean.dtype.element_ty), mask=keep)
-    tl.store(Kmax + dst, top.to(Kmax.dtype.element_ty), mask=keep)
-    tl.store(Kmin + dst, bottom.to(Kmin.dtype.element_ty), mask=keep)
+            tl.store(Kmean + dst, mean.to(Kmean.dtype.element_ty), mask=mask)
+    tl.store(Kmax + dst, top.to(Kmax.dtype.element_ty), mask=mask)
+    tl.store(Kmin + dst, bottom.to(Kmin.dtype.element_ty), mask=mask)
 
 
 def update_block_descriptors_triton(keys: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor,

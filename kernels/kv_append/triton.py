@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels._gdc import grid_dependency_wait, use_pdl
+from kernels.block_descriptors.triton import store_block_descriptors
 from kernels._triton_common import check_device, launch_context
 
 
@@ -46,19 +47,8 @@ def _append_kv_kernel(
         rows = tl.load(k_row + offs[:, None] * stride_ks + offs_d[None, :],
                        mask=(valid & ~new)[:, None] & in_d[None, :], other=0.0)
         rows = tl.where(new[:, None], k.to(rows.dtype)[None, :], rows)
-        top = tl.max(tl.where(valid[:, None], rows, float("-inf")), 0)
-        bottom = tl.min(tl.where(valid[:, None], rows, float("inf")), 0)
-        dst = b * stride_db + h * stride_dh + blk * stride_dn + offs_d
-        if MEAN or FOLD:
-            count = tl.minimum(length - blk * BLOCK, BLOCK).to(tl.float32)
-            mean = tl.sum(tl.where(valid[:, None], rows.to(tl.float32), 0.0), 0) / tl.maximum(count, 1.0)
-            if FOLD:
-                top = top.to(tl.float32) + mean
-                bottom = bottom.to(tl.float32) + mean
-            else:
-                tl.store(Kmean + dst, mean.to(Kmean.dtype.element_ty), mask=in_d)
-        tl.store(Kmax + dst, top.to(Kmax.dtype.element_ty), mask=in_d)
-        tl.store(Kmin + dst, bottom.to(Kmin.dtype.element_ty), mask=in_d)
+        store_block_descriptors(Kmax, Kmin, Kmean, b * stride_db + h * stride_dh + blk * stride_dn + offs_d, rows,
+                                valid, tl.minimum(length - blk * BLOCK, BLOCK), in_d, MEAN, FOLD)
 
 
 def append_kv_triton(keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
