@@ -14,9 +14,12 @@ from tests.conftest import greedy_answer, make_engine, story_ids
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("centroid", [pytest.param(False, marks=pytest.mark.long), True], ids=["bound", "centroid"])
+@pytest.mark.long
+@pytest.mark.parametrize("centroid", [False, True], ids=["bound", "centroid"])
 def test_keep_ratio_one_equals_dense_token_for_token(lm, story_text, centroid):
-    """Every block kept: the sparse path (select, sparse kernel, rectification) must reproduce dense exactly."""
+    """Every block kept: the sparse path (select, sparse kernel, rectification) must reproduce dense exactly. The
+    default tier runs the shipped rule's case in test_engine_contract (keep_ratio 1.0, without rectification)
+    and rectification in test_rectification_rewrites_exact_kv_and_descriptors."""
     doc, question = story_ids(lm, story_text, 1500)
     dense, _ = greedy_answer(make_engine(lm, "dense", chunk_size=512), doc, question, 20)
     resa, state = greedy_answer(make_engine(lm, "resa", chunk_size=512, keep_ratio=1.0, rectify_every=8,
@@ -31,7 +34,7 @@ SPARSE = {"min_blocks": 16}
 
 
 @pytest.mark.parametrize("n, settings", [pytest.param(200, SPARSE, id="paper-floor-200"),
-                                         pytest.param(1500, {}, id="shipped-floor-1500")])
+                                         pytest.param(1500, {}, id="shipped-floor-1500", marks=pytest.mark.long)])
 def test_short_document_is_exactly_dense(lm, story_text, n, settings):
     """Up to min_blocks blocks every block is kept, and the report says the decode was dense."""
     doc, question = story_ids(lm, story_text, n)
