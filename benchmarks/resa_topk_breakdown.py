@@ -90,13 +90,13 @@ def measure(q, kmax, kmin, n, scale, stages=True) -> dict:
     b_(); p_()
     out = torch.empty(1, Hkv, width, device="cuda", dtype=torch.int32)
     steps = torch.zeros(Hkv, device="cuda", dtype=torch.int32)
-    main = max(16, 1 << (NB.bit_length() - 1)); rest = max(16, triton.next_power_of_2(max(1, NB - main)))
+    main, rest, shipped_warps = sel.resident_layout(NB)
 
     def t_(search=True, output=True, rng=True, warps=None, with_hist=False):
         _topk_variant[(Hkv,)](scores, n, out, steps, hist, NB, width, num, den, RULE.min_blocks, Hkv, BLOCK=16,
             NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)),
             SEARCH=search, OUTPUT=output, RANGE=rng, HIST=with_hist,
-            num_warps=warps or min(8 if main <= 16384 else 16, max(4, triton.next_power_of_2((main + rest) // 1024))))
+            num_warps=warps or shipped_warps)
     row = dict(n_blocks=NB, width=width, agree_with_reference=(got == ref).float().mean().item())
     t_()
     row.update(variant_equals_shipped=torch.equal(out, got), steps=steps.tolist())

@@ -510,6 +510,8 @@ def test_select_dispatch_takes_the_histogram_and_validates_it():
     assert histogram.shape == (1, 2, HIST_BINS) and histogram.dtype == torch.int32
     cpu = [t.cpu() for t in (q, kmax, kmin, length)]
     assert torch.equal(select_blocks(*cpu, histogram=histogram, **args), select_ref(*cpu, **args))
+    with pytest.raises(ValueError, match="expected a rule with centroid"):
+        select_blocks(*cpu, folded=True, **args)
     if importlib.util.find_spec("triton") is None:
         return
     from kernels.block_select.triton import select_blocks_triton

@@ -51,6 +51,8 @@ def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, lengt
     """
     if rule.centroid and kmean is None and not folded:
         raise ValueError("rule.centroid needs the kmean descriptor, or descriptors with the mean folded in")
+    if folded and not rule.centroid:
+        raise ValueError("folded descriptors hold the block means: expected a rule with centroid")
     args = dict(block_size=block_size, rule=rule, width=width, scale=scale, kmean=None if folded else kmean,
                 folded=folded)
     impl = _triton_impl() if q.is_cuda else None

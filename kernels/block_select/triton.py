@@ -160,6 +160,15 @@ def _softmax_pool_kernel(
         count_score_bins(Hist, pid_bh, acc, offs < n_blocks)
 
 
+def resident_layout(n_blocks: int) -> tuple[int, int, int]:
+    """(main part, rest part, warps) of the register-resident top-k for a row of n_blocks scores."""
+    main = max(16, 1 << (n_blocks.bit_length() - 1))
+    rest = max(16, triton.next_power_of_2(max(1, n_blocks - main)))
+    # A power of two (Triton's rule): 4,096 + 1,024 blocks gave 5 warps and failed to compile. At most 8 up to a
+    # main part of 16,384 blocks: 16 took 2.5 us longer at 256K tokens (H100).
+    return main, rest, min(8 if main <= 16384 else 16, max(4, triton.next_power_of_2((main + rest) // 1024)))
+
+
 def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                          block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
                          kmean: torch.Tensor | None = None, folded: bool = False,
@@ -174,6 +183,7 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
         raise ValueError(f"expected kmax of shape [{B}, Hkv, NB, {D}] with Hq % Hkv == 0, got {tuple(kmax.shape)}")
     if kmin.shape != kmax.shape or kmin.stride() != kmax.stride():
         raise ValueError(f"expected kmin shaped and strided like kmax {tuple(kmax.shape)}, got {tuple(kmin.shape)}")
+    fold = rule.centroid and folded
     separate_mean = rule.centroid and not folded
     if separate_mean and (kmean is None or kmean.shape != kmax.shape or kmean.stride() != kmax.stride()):
         raise ValueError(f"expected kmean shaped and strided like kmax {tuple(kmax.shape)} (rule.centroid), got "
@@ -216,7 +226,7 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                 n_tiles, rule.local_blocks, rule.sink_blocks, scale * _LOG2E, q.stride(0), q.stride(1),
                 kmax.stride(0), kmax.stride(1), kmax.stride(2), GROUP=group,
                 G_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size, TILE=tile,
-                CENTROID=rule.centroid, FOLDED=rule.centroid and folded, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
+                CENTROID=rule.centroid, FOLDED=fold, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
                 num_warps=_SCORE_WARPS,
             )
             _softmax_pool_kernel[(B * Hkv, n_tiles)](
@@ -229,21 +239,16 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                 q, kmax, kmin, kmean if separate_mean else kmax, length, scores, hist_arg, Hkv, NB,
                 rule.local_blocks, rule.sink_blocks, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
                 kmax.stride(2), GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D,
-                BLOCK=block_size, TILE=_SCORE_TILE, CENTROID=rule.centroid, FOLDED=rule.centroid and folded,
+                BLOCK=block_size, TILE=_SCORE_TILE, CENTROID=rule.centroid, FOLDED=fold,
                 HIST=hist, PDL=pdl, launch_pdl=pdl,
                 num_warps=4,
             )
         if NB <= _RESIDENT_MAX:
-            main = max(16, 1 << (NB.bit_length() - 1))
-            rest = max(16, triton.next_power_of_2(max(1, NB - main)))
+            main, rest, warps = resident_layout(NB)
             _block_topk_resident_kernel[(B * Hkv,)](
                 scores, length, out, hist_arg, NB, width, num, den, rule.min_blocks, Hkv,
                 BLOCK=block_size, NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)), HIST=hist,
-                PDL=pdl, launch_pdl=pdl,
-                # A power of two (Triton's rule): 4,096 + 1,024 blocks gave 5 warps and failed to compile. At most
-                # 8 up to a main part of 16,384 blocks: 16 took 2.5 us longer at 256K tokens (H100).
-                num_warps=_TOPK_WARPS or min(8 if main <= 16384 else 16,
-                                             max(4, triton.next_power_of_2((main + rest) // 1024))),
+                PDL=pdl, launch_pdl=pdl, num_warps=_TOPK_WARPS or warps,
             )
         else:
             _block_topk_kernel[(B * Hkv,)](

@@ -30,11 +30,16 @@ _BIN_WIDTH = tl.constexpr(1 << 20)
 
 
 @triton.jit
+def _int_key(s):
+    """fp32 -> int32 with the same order (flip the magnitude bits of negatives)."""
+    u = s.to(tl.int32, bitcast=True)
+    return u ^ ((u >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
 def count_score_bins(Hist, pid_bh, s, inside):
     """Add the scores s (fp32) where `inside` to their bins in row pid_bh of Hist [B * Hkv, HIST_BINS] int32."""
-    u = s.to(tl.int32, bitcast=True)
-    key = u ^ ((u >> 31) & 0x7FFFFFFF)
-    bins = (key >> _BIN_SHIFT) + _HIST_BINS // 2
+    bins = (_int_key(s) >> _BIN_SHIFT) + _HIST_BINS // 2
     tl.atomic_add(Hist + pid_bh.to(tl.int64) * _HIST_BINS + bins, inside.to(tl.int32), mask=inside, sem="relaxed")
 
 
@@ -61,9 +66,8 @@ def _hist_bracket(Hist, pid_bh, n_blocks, k):
 
 @triton.jit
 def _order_key(s):
-    """fp32 -> int64 in [0, 2^32) with the same order (flip the magnitude bits of negatives)."""
-    u = s.to(tl.int32, bitcast=True)
-    return (u ^ ((u >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
+    """fp32 -> int64 in [0, 2^32) with the same order."""
+    return _int_key(s).to(tl.int64) + 2147483648
 
 
 @triton.jit
@@ -132,8 +136,7 @@ def _block_topk_kernel(
 
 @triton.jit
 def _resident_keys(Row, offs, inside):
-    u = tl.load(Row + offs, mask=inside, other=float("-inf")).to(tl.int32, bitcast=True)
-    return u ^ ((u >> 31) & 0x7FFFFFFF)  # int32 with the order of the fp32 scores
+    return _int_key(tl.load(Row + offs, mask=inside, other=float("-inf")))
 
 
 @triton.jit
