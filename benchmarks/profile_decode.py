@@ -6,13 +6,16 @@ Prints the replayed step's ms/token (CUDA events over --steps replays) and torch
 step run eagerly (kernel count and the sum of kernel times: the difference to the replay is what the graph's
 kernel boundaries cost). --compile blocks is the profile key compile_decode (the layers' MLPs and norms compiled
 inside the captured step); --compile layer, an experiment, compiles whole decoder layers with the attention
-left eager (a graph break), for prefill too.
+left eager (a graph break), for prefill too. --trace N profiles N replays of the captured step itself: each
+kernel's time inside the graph, by family (GEMMs, compiled kernels, each of the project's kernels) and the time
+no kernel ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
 import torch
@@ -48,6 +51,52 @@ def _kernel_table(run, blocks, rows: int) -> tuple[float, int, list, str]:
     return sum(e.self_device_time_total for e in events) / 1e3, sum(e.count for e in events), top, table
 
 
+def _category(name: str) -> str:
+    """A kernel's family: cuBLAS GEMM/GEMV, torch.compile's fused kernels, the project's Triton kernels, other."""
+    if re.search(r"gemm|gemv|nvjet|xmma|cutlass|splitK|sm90_", name):
+        return "gemm"
+    if name.startswith("triton_"):
+        return "compiled"
+    if name.startswith("_") and name.endswith("kernel"):
+        return name
+    return "other"
+
+
+def _replay_trace(replay, n: int) -> dict:
+    """torch.profiler over `n` graph replays: the kernels as they ran inside the graph, per step (µs), by family
+    and by name, and how much of the step no kernel ran (launch gaps)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(n):
+            replay()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in p.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {"error": "no kernel records for graph replays"}
+    # A kernel launched early (programmatic dependent launch) spends its first part waiting for the one before:
+    # it is charged from the later of its start and the end of everything before it ("own" time), so the own
+    # times and the idle time add up to the wall clock.
+    busy, reach = 0.0, spans[0][0]
+    by_name: dict[str, list[tuple[float, float]]] = {}
+    for start, end, name in spans:
+        own = max(0.0, end - max(start, reach))
+        busy += own
+        reach = max(reach, end)
+        by_name.setdefault(name[:100], []).append((end - start, own))
+    families: dict[str, float] = {}
+    for name, times in by_name.items():
+        families[_category(name)] = families.get(_category(name), 0.0) + sum(o for _, o in times) / n
+    rows = sorted(({"kernel": k, "per_step": len(v) / n, "own_us_per_step": round(sum(o for _, o in v) / n, 1),
+                    "us_per_step": round(sum(d for d, _ in v) / n, 1)} for k, v in by_name.items()),
+                  key=lambda r: -r["own_us_per_step"])
+    wall = (reach - spans[0][0]) / n
+    return {"replays": n, "wall_us": round(wall, 1), "busy_us": round(busy / n, 1),
+            "idle_us": round(wall - busy / n, 1), "kernels_per_step": len(spans) / n,
+            "families_own_us": {k: round(v, 1) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
+            "kernels": rows}
+
+
 def _replay_ms(replay, n: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -68,6 +117,8 @@ def main() -> None:
     ap.add_argument("--no-fuse", action="store_true", help="fuse_projections=false")
     ap.add_argument("--rectify", action="store_true", help="resa: also time and profile the rectification step")
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--trace", type=int, default=0, metavar="N",
+                    help="also profile N graph replays: kernel times inside the graph and the idle time between")
     ap.add_argument("--out", help="append the JSON row to this file (one object per line)")
     args = ap.parse_args()
     lm = load_model(args.model, device="cuda", dtype="bfloat16")
@@ -90,17 +141,21 @@ def main() -> None:
             step.step()
         torch.cuda.synchronize()
         result["graph_ms_per_token"] = _replay_ms(step.step, args.steps)
+        if args.trace:
+            result["graph_trace"] = _replay_trace(step.step, args.trace)
         kernel_ms, count, top, table = _kernel_table(step._step, step.blocks, args.rows)
         print(table)
         result.update(eager_kernel_ms=kernel_ms, kernels=count, top_kernels=top)
         rectify = getattr(state, "rectify", None) if args.rectify else None
         if rectify is not None:
             start = state.position + args.steps  # scratch slots inside the reserve
-            result["rectify_graph_ms"] = _replay_ms(lambda: rectify(list(range(1000, 1000 + rectify.n)), start), 10)
+            again = lambda: rectify(list(range(1000, 1000 + rectify.n)), start)  # noqa: E731
+            result["rectify_graph_ms"] = _replay_ms(again, 10)
+            trace = _replay_trace(again, 3) if args.trace else None
             kernel_ms, count, top, table = _kernel_table(rectify._run, rectify.blocks, args.rows)
             print(table)
             result["rectify"] = {"tokens": rectify.n, "eager_kernel_ms": kernel_ms, "kernels": count,
-                                 "top_kernels": top}
+                                 "top_kernels": top, **({"graph_trace": trace} if trace else {})}
     print(json.dumps(result))
     if args.out:
         with open(args.out, "a") as fh:

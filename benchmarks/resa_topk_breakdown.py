@@ -1,11 +1,12 @@
 """Where resa's block selection spends its time in one decode step, per layer: the bound kernel, the softmax pool
 and the top-k, and the top-k's stages (load, key range, search, output), each timed by switching the others off
 in a copy of the shipped top-k program, plus warps per program and the search's step count per head, with the
-search bracketed by the scores' range and by the bin of their histogram (as the engine runs it). Two sources
+search bracketed by the scores' range and by the bin of their histogram (as the engine runs it: the shipped
+rule's top-k compares the scores' bins, so with the histogram it has no search step left). Two sources
 of descriptors and queries: random keys with a shared direction per 512-token span (so block scores spread), the
 Llama-3.1-8B and Qwen3-1.7B attention shapes, 128K and 256K tokens; and with --engine, a random-weight model's own
 (every layer's query and descriptors in one decode step after a prefill of random tokens). The shipped rule
-(softmax pooling + centroid, 10%, floor 1,024 blocks). Checks that the copy selects what the shipped kernel
+(softmax pooling + centroid folded into int8 descriptors, 10%, floor 1,024 blocks). Checks that the copy selects what the shipped kernel
 selects, and the shipped kernel what the reference selects. Speed only.
 
     python benchmarks/resa_topk_breakdown.py          # writes $OUT/topk_diag.json (or ./topk_diag.json)
@@ -17,9 +18,9 @@ import torch, triton, triton.language as tl
 from triton.testing import do_bench_cudagraph
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels.block_select.triton as sel
-from kernels.block_select.triton_topk import _bracket, _resident_row, _resident_search, _resident_store
+from kernels.block_select.triton_topk import _bin_of, _bracket, _resident_row, _resident_search, _resident_store
 from kernels.block_descriptors import update_block_descriptors
-from kernels.block_select import KeepRule, new_histogram
+from kernels.block_select import KeepRule, new_histogram, score_bins
 from kernels.block_select.reference import select_blocks as ref_select
 
 
@@ -27,12 +28,14 @@ from kernels.block_select.reference import select_blocks as ref_select
 def _topk_variant(Scores, Length, Out, Steps, Hist, n_blocks_cap, width, ratio_num, ratio_den, min_blocks,
                   n_kv_heads, BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr,
                   W_PAD: tl.constexpr, SEARCH: tl.constexpr, OUTPUT: tl.constexpr, RANGE: tl.constexpr,
-                  HIST: tl.constexpr):
+                  HIST: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr):
     """The shipped resident top-k (kernels/block_select/triton_topk.py) from its own parts, each switchable."""
     pid_bh, n_blocks, k, offs_a, in_a, key_a, offs_b, in_b, key_b = _resident_row(
         Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK, NB_MAIN, NB_REST)
+    key_a = _bin_of(key_a, SHIFT, BASE)
+    key_b = _bin_of(key_b, SHIFT, BASE)
     if RANGE:
-        lo, hi, count = _bracket(Hist, pid_bh, n_blocks, k, key_a, in_a, key_b, in_b, HIST)
+        lo, hi, count = _bracket(Hist, pid_bh, n_blocks, k, key_a, in_a, key_b, in_b, HIST, SHIFT, BASE, True)
     else:
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483648, tl.int64)
@@ -50,22 +53,24 @@ def _topk_variant(Scores, Length, Out, Steps, Hist, n_blocks_cap, width, ratio_n
 
 
 RULE = KeepRule(keep_ratio=0.1, min_blocks=1024, local_blocks=1, sink_blocks=1, pooling="softmax", centroid=True)
+DESCRIPTORS = "int8"
 
 
 def _bench(fn) -> float:
     return round(do_bench_cudagraph(fn, rep=100, return_mode="median") * 1000, 2)
 
 
-def measure(q, kmax, kmin, n, scale, stages=True) -> dict:
-    """One layer's selection: q [1, Hq, D], descriptors [1, Hkv, NB, D] (the mean folded in), n [1]. Times (µs),
-    search steps per head (bracketed by the scores' range, and by the histogram's bin: steps_hist)."""
+def measure(q, kmax, kmin, dscale, n, scale, stages=True) -> dict:
+    """One layer's selection: q [1, Hq, D], int8 descriptors [1, Hkv, NB, D] (the mean folded in) and their scale
+    dscale [1, Hkv, NB], n [1]. Times (µs), search steps per head (bracketed by the scores' range, and by the
+    histogram's bin: steps_hist)."""
     Hq, D = q.shape[1:]
     Hkv, NB = kmax.shape[1:3]
     width = RULE.keep(NB)
-    args = dict(block_size=16, rule=RULE, width=width, scale=scale, folded=True)
+    args = dict(block_size=16, rule=RULE, width=width, scale=scale, folded=True, descriptor_scale=dscale)
     full = lambda: sel.select_blocks_triton(q, kmax, kmin, n, **args)
     got = full()
-    ref = ref_select(q.float(), kmax.float(), kmin.float(), n, **args)
+    ref = ref_select(q.float(), kmax, kmin, n, **args)
     group = Hq // Hkv
     tile = min(128, sel._DOT_ELEMENTS // D)
     n_tiles = triton.cdiv(NB, tile)
@@ -76,17 +81,18 @@ def measure(q, kmax, kmin, n, scale, stages=True) -> dict:
     num, den = RULE.ratio
 
     def b_():
-        sel._head_bounds_kernel[(Hkv, n_tiles)](q, kmax, kmin, kmax, n, bounds, tmax, tsum, Hkv, NB, n_tiles, 1, 1,
-            scale * sel._LOG2E, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2),
-            GROUP=group, G_DOT=16, HEAD_DIM=D, BLOCK=16, TILE=tile, CENTROID=True, FOLDED=True, IEEE=False,
-            PDL=False, num_warps=4)
+        sel._head_bounds_kernel[(Hkv, n_tiles)](q, kmax, kmin, kmax, dscale, n, bounds, tmax, tsum, Hkv, NB,
+            n_tiles, 1, 1, scale * sel._LOG2E, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
+            kmax.stride(2), dscale.stride(0), dscale.stride(1), GROUP=group, G_DOT=16, HEAD_DIM=D, BLOCK=16,
+            TILE=tile, CENTROID=True, FOLDED=True, QUANT=True, IEEE=False, PDL=False, num_warps=4)
 
     hist = new_histogram(1, Hkv, "cuda")
+    shift, base = score_bins(RULE.pooling, group)
 
     def p_(with_hist=False):
         sel._softmax_pool_kernel[(Hkv, n_tiles)](bounds, tmax, tsum, n, scores, hist, Hkv, NB, n_tiles, 1, 1,
             GROUP=group, BLOCK=16, TILE=tile, NT_PAD=max(16, triton.next_power_of_2(n_tiles)), HIST=with_hist,
-            PDL=False, num_warps=4)
+            SHIFT=shift, BASE=base, PDL=False, num_warps=4)
     b_(); p_()
     out = torch.empty(1, Hkv, width, device="cuda", dtype=torch.int32)
     steps = torch.zeros(Hkv, device="cuda", dtype=torch.int32)
@@ -95,7 +101,7 @@ def measure(q, kmax, kmin, n, scale, stages=True) -> dict:
     def t_(search=True, output=True, rng=True, warps=None, with_hist=False):
         _topk_variant[(Hkv,)](scores, n, out, steps, hist, NB, width, num, den, RULE.min_blocks, Hkv, BLOCK=16,
             NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)),
-            SEARCH=search, OUTPUT=output, RANGE=rng, HIST=with_hist,
+            SEARCH=search, OUTPUT=output, RANGE=rng, HIST=with_hist, SHIFT=shift, BASE=base,
             num_warps=warps or shipped_warps)
     row = dict(n_blocks=NB, width=width, agree_with_reference=(got == ref).float().mean().item())
     t_()
@@ -140,10 +146,11 @@ def random_rows() -> list:
             k += 2 * torch.randn(1, Hkv, length // 512, 1, D, **opts).expand(-1, -1, -1, 512, -1).reshape(
                 1, Hkv, length, D)
             NB = length // 16
-            kmax, kmin = (torch.empty(1, Hkv, NB, D, **opts) for _ in range(2))
+            kmax, kmin = (torch.empty(1, Hkv, NB, D, device="cuda", dtype=torch.int8) for _ in range(2))
+            dscale = torch.empty(1, Hkv, NB, device="cuda")
             n = torch.tensor([length], device="cuda")
-            update_block_descriptors(k, kmax, kmin, n, length, 16, fold_mean=True)
-            row = dict(shape=shape, length=length, **measure(q, kmax, kmin, n, D ** -0.5))
+            update_block_descriptors(k, kmax, kmin, n, length, 16, fold_mean=True, scale=dscale)
+            row = dict(shape=shape, length=length, **measure(q, kmax, kmin, dscale, n, D ** -0.5))
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -162,15 +169,16 @@ def engine_rows(model: str, length: str) -> list:
     lm = load_model(model, device="cuda", dtype="bfloat16")
     prof = resolve_profile("resa", {})
     engine = ENGINES[prof.engine](lm, prof.engine_config, prof.run, home=longctx_home())
-    if engine.config.rule != RULE:
-        raise SystemExit(f"the shipped profile's rule {engine.config.rule} is not the breakdown's {RULE}")
+    if engine.config.rule != RULE or engine.config.descriptor_dtype != DESCRIPTORS:
+        raise SystemExit(f"the shipped profile's rule {engine.config.rule} ({engine.config.descriptor_dtype}) is not "
+                         f"the breakdown's {RULE} ({DESCRIPTORS})")
     torch.manual_seed(0)
     state = engine.prefill(torch.randint(1000, 20000, (parse_count(length),)), reserve=64)
     seen = []
     shipped = sel.select_blocks_triton
 
     def keep(q, kmax, kmin, n, **kw):
-        seen.append((q.clone(), kmax.clone(), kmin.clone(), n.clone(), kw["scale"]))
+        seen.append((q.clone(), kmax.clone(), kmin.clone(), kw["descriptor_scale"].clone(), n.clone(), kw["scale"]))
         return shipped(q, kmax, kmin, n, **kw)
     rows = []
     with torch.inference_mode():
@@ -185,9 +193,9 @@ def engine_rows(model: str, length: str) -> list:
             sel.select_blocks_triton = shipped
             block_select._triton_impl.cache_clear()
         torch.cuda.synchronize()
-        for layer, (q, kmax, kmin, n, scale) in enumerate(seen):
+        for layer, (q, kmax, kmin, dscale, n, scale) in enumerate(seen):
             NB = triton.cdiv(int(n.item()), 16)  # the blocks in use (the cache's capacity holds the answer room)
-            d = [t[:, :, :NB].contiguous() for t in (kmax, kmin)]
+            d = [t[:, :, :NB].contiguous() for t in (kmax, kmin, dscale)]
             row = dict(model=model, length=length, layer=layer, **measure(q.contiguous(), *d, n, scale, stages=False))
             print(json.dumps(row), flush=True)
             rows.append(row)

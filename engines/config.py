@@ -15,6 +15,9 @@ class DenseConfig:
     """The dense engine has no parameters of its own."""
 
 
+DESCRIPTOR_DTYPES = ("model", "int8")  # resa's block descriptors
+
+
 @dataclass
 class ResaConfig:
     """The paper's defaults: blocks of 16 keys, keep 10% of them (at least 16), the newest block always,
@@ -33,7 +36,12 @@ class ResaConfig:
     keys the bound is loose). On CPU (4K, 4 harness samples decoded densely, every rule scored at every step)
     the blocks it kept held 89.5% of the attention mass, averaged over steps and heads (the least-served head
     of each step: 82.6%), against 87.5% (79.5%) with the bound alone and 92.2% (85.7%) for the blocks of most
-    true attention. Costs a third descriptor (1/16 of K)."""
+    true attention. Costs a third descriptor (1/16 of K).
+
+    descriptor_dtype: "model" keeps the descriptors in the cache's dtype (the paper's); "int8" stores each
+    block's two as int8 codes of one fp32 scale per block and KV head, the max rounded up and the min down so
+    that Quest's bound stays an upper bound (kernels/block_descriptors): about half the bytes the selection
+    reads every step."""
 
     block_size: int = 16
     keep_ratio: float = 0.1
@@ -43,6 +51,7 @@ class ResaConfig:
     sink_blocks: int = 0
     pooling: str = "mean"
     centroid: bool = False
+    descriptor_dtype: str = "model"
 
     def __post_init__(self):
         require(1 <= self.block_size <= 64 and not self.block_size & (self.block_size - 1), "block_size",
@@ -56,6 +65,8 @@ class ResaConfig:
 
         require(self.pooling in POOLINGS, "pooling", self.pooling, f"one of {', '.join(POOLINGS)}")
         require(self.rectify_every >= 0, "rectify_every", self.rectify_every, "an integer >= 0 (0 = never)")
+        require(self.descriptor_dtype in DESCRIPTOR_DTYPES, "descriptor_dtype", self.descriptor_dtype,
+                f"one of {', '.join(DESCRIPTOR_DTYPES)}")
 
     @property
     def rule(self):

@@ -2,7 +2,8 @@
 
 - Prefill: dense and chunked, as `dense`; every chunk also refreshes the min/max key descriptors of the blocks
   it wrote (kernels/block_descriptors). With the centroid rule they hold max + mean and min + mean: the bound and
-  the centroid's product from two descriptors instead of three, a third fewer bytes to read per step.
+  the centroid's product from two descriptors instead of three, a third fewer bytes to read per step. With
+  descriptor_dtype int8 they are int8 codes of a scale per block and KV head, rounded outwards: half the bytes.
 - Decode, on every full-attention layer: the new key updates its block's descriptors (in the launch that writes
   its K/V, kernels/kv_append), the GQA group's mean query scores all blocks with Quest's bound and keeps the top
   k (the local blocks always; kernels/block_select), and attention reads only those blocks
@@ -35,16 +36,23 @@ from kernels.sparse_decode_attention import sparse_decode_attention, sparse_deco
 
 class ResaKVLayer(StaticKVLayer):
     """A static KV layer that, on full-attention layers, also holds the block descriptors [B, Hkv, NB, D] (max
-    and min keys; with the centroid rule, each plus the block's mean key) and the selection's score histogram
-    (scratch kept zeroed between steps, kernels/block_select)."""
+    and min keys; with the centroid rule, each plus the block's mean key; int8 codes of kscale [B, Hkv, NB] with
+    descriptor_dtype int8, else kscale is None) and the selection's score histogram (scratch kept zeroed between
+    steps, kernels/block_select)."""
+
+    kscale: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         if not self.is_sliding:
             batch, heads, _, dim = key_states.shape
             n_blocks = cdiv(self.capacity, self.owner.block_size)
-            self.kmax = torch.zeros(batch, heads, n_blocks, dim, dtype=self.dtype, device=self.device)
+            int8 = self.owner.descriptor_dtype == "int8"
+            self.kmax = torch.zeros(batch, heads, n_blocks, dim, dtype=torch.int8 if int8 else self.dtype,
+                                    device=self.device)
             self.kmin = torch.zeros_like(self.kmax)
+            if int8:
+                self.kscale = torch.zeros(batch, heads, n_blocks, dtype=torch.float32, device=self.device)
             self.score_bins = new_histogram(batch, heads, self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -55,13 +63,13 @@ class ResaKVLayer(StaticKVLayer):
             return super().update(key_states, value_states, *args, **kwargs)
         append_kv(self.keys, self.values, key_states, value_states, owner.position_on(self.device),
                   descriptors=(self.kmax, self.kmin, None), length=owner.length_on(self.device),
-                  block_size=owner.block_size, fold_mean=owner.rule.centroid)
+                  block_size=owner.block_size, fold_mean=owner.rule.centroid, descriptor_scale=self.kscale)
         return self.keys, self.values
 
     def nbytes(self) -> int:
         extra = 0
         if self.is_initialized and not self.is_sliding:
-            extra = sum(t.nbytes for t in (self.kmax, self.kmin, self.score_bins))
+            extra = sum(t.nbytes for t in (self.kmax, self.kmin, self.kscale, self.score_bins) if t is not None)
         return super().nbytes() + extra
 
 
@@ -69,7 +77,7 @@ class ResaKVCache(StaticKVCache):
     layer_class = ResaKVLayer
 
     def __init__(self, config, capacity: int, resa: ResaConfig):
-        self.block_size, self.rule = resa.block_size, resa.rule
+        self.block_size, self.rule, self.descriptor_dtype = resa.block_size, resa.rule, resa.descriptor_dtype
         # Static selection width: the blocks kept at full capacity (never fewer than at any shorter length).
         self.width = self.rule.keep(cdiv(capacity, resa.block_size))
         self.timed = False  # CPU: time estimation and sparse attention (synchronous there)
@@ -104,7 +112,16 @@ class ResaState(DocumentState):
 
 def _describe(layer: ResaKVLayer, key: torch.Tensor, length: torch.Tensor, n_new: int, block_size: int) -> None:
     update_block_descriptors(key, layer.kmax, layer.kmin, length, n_new, block_size,
-                             fold_mean=layer.owner.rule.centroid)
+                             fold_mean=layer.owner.rule.centroid, scale=layer.kscale)
+
+
+def _block_bytes(config: ResaConfig, model_config, dtype_bytes: int) -> int:
+    """One block's descriptors over a layer's KV heads: two keys' worth (one token's K and V), or in int8 half
+    that plus a float32 scale per KV head."""
+    token = kv_token_bytes(model_config, dtype_bytes)
+    if config.descriptor_dtype != "int8":
+        return token
+    return token // dtype_bytes + 4 * model_config.get_text_config(decoder=True).num_key_value_heads
 
 
 def _clock(cache: ResaKVCache, key: str, start: float) -> float:
@@ -141,7 +158,7 @@ class ResaEngine(Engine):
         start = time.perf_counter()
         blocks = select_blocks(query[:, :, 0], layer.kmax, layer.kmin, length, block_size=longctx.block_size,
                                rule=longctx.rule, width=longctx.width, scale=scaling, folded=longctx.rule.centroid,
-                               histogram=layer.score_bins)
+                               histogram=layer.score_bins, descriptor_scale=layer.kscale)
         start = _clock(longctx, "estimation_s", start)
         out = sparse_decode_attention(query[:, :, 0], key, value, blocks, length, block_size=longctx.block_size,
                                       scale=scaling)
@@ -157,12 +174,12 @@ class ResaEngine(Engine):
     def memory_plan(cls, model_config, n_tokens: int, dtype_bytes: int, engine_config=None, *, chunk_size: int,
                     reserve: int) -> int:
         """The KV cache plus, on full-attention layers, two descriptors per block (2/block_size of the keys; the
-        centroid is folded into them), and the selection's histogram (int32, HIST_BINS per KV head)."""
+        centroid is folded into them; int8 with a float32 scale per block and KV head), and the selection's
+        histogram (int32, HIST_BINS per KV head)."""
         cfg = engine_config or ResaConfig()
         n_blocks = cdiv(n_tokens, cfg.block_size)
-        # A block's two descriptors together take the bytes of one token's K and V.
-        descriptors = len(full_layers(model_config)) * kv_token_bytes(model_config, dtype_bytes) * n_blocks
         kv_heads = model_config.get_text_config(decoder=True).num_key_value_heads
+        descriptors = len(full_layers(model_config)) * _block_bytes(cfg, model_config, dtype_bytes) * n_blocks
         descriptors += len(full_layers(model_config)) * kv_heads * HIST_BINS * 4
         return super().memory_plan(model_config, n_tokens, dtype_bytes, chunk_size=chunk_size,
                                    reserve=reserve) + descriptors
@@ -173,10 +190,10 @@ class ResaEngine(Engine):
         block, every = self.config.block_size, self.config.rectify_every
         n_blocks = cdiv(n_tokens, block)
         kept = min(n_tokens, self.config.rule.keep(n_blocks) * block)
-        described = n_blocks  # two descriptors per block: one token's K and V
-        sparse = kept + described + (n_tokens // every if every else 0)  # token equivalents per covered layer
-        covered = len(full_layers(model_config)) * kv_token_bytes(model_config, dtype_bytes)
-        return Engine.kv_read_bytes(model_config, n_tokens, dtype_bytes) + covered * (sparse - n_tokens)
+        sparse = kept + (n_tokens // every if every else 0)  # token equivalents per covered layer
+        token = kv_token_bytes(model_config, dtype_bytes)
+        per_layer = token * (sparse - n_tokens) + _block_bytes(self.config, model_config, dtype_bytes) * n_blocks
+        return Engine.kv_read_bytes(model_config, n_tokens, dtype_bytes) + len(full_layers(model_config)) * per_layer
 
     def backends(self) -> dict[str, str]:
         return {"prefill_attention": chunk_attention_backend(self.device, self.has_sliding_layers, self.head_dim),
@@ -225,11 +242,16 @@ class ResaEngine(Engine):
         state.rectifications += 1
 
     reusable = True
-    _DESCRIPTORS = ("kmax", "kmin")
+
+    @property
+    def _DESCRIPTORS(self) -> tuple[str, ...]:
+        return ("kmax", "kmin", "kscale") if self.config.descriptor_dtype == "int8" else ("kmax", "kmin")
 
     def state_inputs(self, n_tokens: int, reserve: int) -> dict:
-        # What the descriptors hold changes what a saved state means.
-        return {"descriptors": "max+mean, min+mean" if self.config.centroid else "max, min"}
+        # What the descriptors hold, and how they are stored, changes what a saved state means.
+        held = "max+mean, min+mean" if self.config.centroid else "max, min"
+        return {"descriptors": held + (", int8 codes of a scale per block" if self.config.descriptor_dtype == "int8"
+                                       else "")}
 
     def _descriptor_layers(self, cache: ResaKVCache) -> list[tuple[int, ResaKVLayer]]:
         return [(i, layer) for i, layer in enumerate(cache.layers) if not layer.is_sliding and layer.is_initialized]
@@ -275,6 +297,7 @@ class ResaEngine(Engine):
                "block_size": self.config.block_size, "sink_blocks": self.config.sink_blocks,
                "group_pooling": self.config.pooling,
                "block_centroid": self.config.centroid,
+               "descriptor_dtype": self.config.descriptor_dtype,
                "selection_width_blocks": state.cache.width}
         if not state.steps:
             return out

@@ -58,7 +58,8 @@ def test_descriptors_need_one_token_and_a_length():
                   length=torch.tensor([5]))
 
 
-@pytest.mark.parametrize("describe", [False, True, "fold"], ids=["kv", "kv+descriptors", "kv+folded"])
+@pytest.mark.parametrize("describe", [False, True, "fold", "int8"],
+                         ids=["kv", "kv+descriptors", "kv+folded", "kv+folded-int8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize(("B", "H", "T", "D", "DV", "pos"), [
     pytest.param(1, 8, 1, 128, 128, 4096, id="B1-H8-T1-D128-pos4096"),
@@ -84,17 +85,29 @@ def test_append_kv_triton(B, H, T, D, DV, pos, dtype, describe, seq_major):
     want_k, want_v = keys.clone().cpu(), values.clone().cpu()
     kw = {}
     want_kw = {}
-    fold = describe == "fold"
+    quant = describe == "int8"
+    fold = describe == "fold" or quant
     if describe:
         d = _described(keys.cpu(), length.cpu() - 1)
         d = (d[0], d[1], None) if fold else d
-        kw = dict(descriptors=tuple(None if t is None else t.to(TRITON_DEVICE) for t in d), length=length,
+        if quant:
+            d = (torch.zeros(d[0].shape, dtype=torch.int8), torch.zeros(d[0].shape, dtype=torch.int8), None)
+            want_kw["descriptor_scale"] = torch.zeros(d[0].shape[:3])
+            kw["descriptor_scale"] = want_kw["descriptor_scale"].to(TRITON_DEVICE)
+        kw.update(descriptors=tuple(None if t is None else t.to(TRITON_DEVICE) for t in d), length=length,
                   fold_mean=fold)
-        want_kw = dict(descriptors=d, length=length.cpu(), fold_mean=fold)
+        want_kw.update(descriptors=d, length=length.cpu(), fold_mean=fold)
     append_kv_triton(keys, values, k_new, v_new, position, **kw)
     append_kv_reference(want_k, want_v, k_new.cpu(), v_new.cpu(), position.cpu(), **want_kw)
     assert torch.equal(keys.cpu(), want_k) and torch.equal(values.cpu(), want_v)
-    if fold:
+    if quant:
+        # Codes of the fp32 sums: one step apart at most where the sums round differently; the scales to rounding.
+        for i in (0, 1):
+            diff = kw["descriptors"][i].cpu().int() - want_kw["descriptors"][i].int()
+            assert diff.abs().max() <= 1 and (diff != 0).float().mean() < 0.05
+        torch.testing.assert_close(kw["descriptor_scale"].cpu(), want_kw["descriptor_scale"], rtol=1e-2, atol=0)
+        assert want_kw["descriptor_scale"].count_nonzero() == B * H  # the touched block's, every head
+    elif fold:
         # max + mean and min + mean: fp32 sums, perhaps in another order, rounded to the dtype.
         tol = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
         for i in (0, 1):

@@ -103,11 +103,14 @@ def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
             if layer.is_sliding:
                 continue
             kmax, kmin = layer.kmax.clone(), layer.kmin.clone()
+            scale = None if layer.kscale is None else layer.kscale.clone()
             update_block_descriptors_reference(layer.keys, kmax, kmin, torch.tensor([end]), end, 16,
-                                               fold_mean=layer.owner.rule.centroid)
+                                               fold_mean=layer.owner.rule.centroid, scale=scale)
             used = cdiv(end, 16)
             assert torch.equal(kmax[:, :, :used], layer.kmax[:, :, :used])
             assert torch.equal(kmin[:, :, :used], layer.kmin[:, :, :used])
+            if scale is not None:
+                assert torch.equal(scale[:, :, :used], layer.kscale[:, :, :used])
 
 
 @pytest.mark.parametrize("key,value,message", [

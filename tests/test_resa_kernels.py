@@ -15,7 +15,8 @@ import torch
 from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors
 from kernels.block_descriptors import update_block_descriptors_reference as update_ref
-from kernels.block_select import HIST_BINS, KeepRule, block_scores, new_histogram, select_blocks
+from kernels.block_select import HIST_BINS, KeepRule, block_scores, new_histogram, score_bins, select_blocks
+from kernels.block_select.reference import bin_keys
 from kernels.block_select import select_blocks_reference as select_ref
 from kernels.decode_attention import decode_attention_reference as dense_ref
 from kernels.lse_combine import combine_splits_reference, merge_partials
@@ -348,6 +349,48 @@ def test_descriptors_triton(dtype, D, L, n_new):
     torch.testing.assert_close(got_mean.cpu(), kmean, equal_nan=True, **tol)
 
 
+def test_int8_descriptors_round_outwards_and_keep_the_bound():
+    """Codes of one scale per block and head: max rounded up and min down by at most one step, so the int8 bound
+    is an upper bound of the bf16-free one and of every q . k in the block, and within a step's worth of it."""
+    torch.manual_seed(42)
+    keys = torch.randn(2, 3, 333, 64) * torch.tensor([0.1, 1.0, 30.0])[None, :, None, None]
+    lengths = [333, 200]
+    upper, lower = _descriptors(keys, lengths, fold_mean=True)
+    nb = upper.shape[2]
+    codes_hi = torch.zeros(upper.shape, dtype=torch.int8)
+    codes_lo = codes_hi.clone()
+    scale = torch.zeros(2, 3, nb)
+    for b, n in enumerate(lengths):
+        update_ref(keys[b:b + 1], codes_hi[b:b + 1], codes_lo[b:b + 1], torch.tensor([n]), n, BS, fold_mean=True,
+                   scale=scale[b:b + 1])
+    hi, lo = codes_hi.float() * scale[..., None], codes_lo.float() * scale[..., None]
+    for b, n in enumerate(lengths):
+        used = cdiv(n, BS)
+        step = scale[b, :, :used, None]
+        assert (hi[b, :, :used] >= upper[b, :, :used] - 1e-4 * step).all()  # up to fp32 rounding
+        assert (lo[b, :, :used] <= lower[b, :, :used] + 1e-4 * step).all()
+        assert (hi[b, :, :used] - upper[b, :, :used] <= step * 1.0001).all()
+        assert (lower[b, :, :used] - lo[b, :, :used] <= step * 1.0001).all()
+    assert codes_hi.abs().max() <= 127 and codes_lo.abs().max() <= 127
+    q = torch.randn(2, 6, 64)
+    length = torch.tensor(lengths)
+    args = dict(block_size=BS, local_blocks=0, folded=True)
+    exact = block_scores(q, upper, lower, length, **args)
+    coded = block_scores(q, codes_hi, codes_lo, length, descriptor_scale=scale, **args)
+    inside = exact.isfinite()
+    assert (coded[inside] >= exact[inside] - 1e-4 * exact[inside].abs().clamp_min(1)).all()
+    slack = (q.view(2, 3, 2, 64).mean(2).abs().sum(-1, keepdim=True) * scale)[inside]  # one step a coordinate
+    assert ((coded - exact)[inside] <= slack * 1.001 + 1e-5).all()
+
+
+def test_int8_descriptors_refuse_a_separate_mean():
+    keys = torch.randn(1, 1, 32, 8)
+    d = torch.zeros(1, 1, 2, 8, dtype=torch.int8)
+    with pytest.raises(ValueError, match="int8 descriptors"):
+        update_block_descriptors(keys, d, d.clone(), torch.tensor([32]), 32, BS, kmean=torch.zeros(1, 1, 2, 8),
+                                 scale=torch.zeros(1, 1, 2))
+
+
 def _problem(B, group, L, D, dtype, S=None):
     """q [B, 2*group, D], keys/values [B, 2, S, D] (NaN past each length), descriptors, lengths tensor."""
     _supported(dtype)
@@ -409,11 +452,126 @@ def test_select_triton_matches_reference(D, group, L, pooling):
         scores = block_scores(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, local_blocks=1,
                               sink_blocks=rule.sink_blocks, pooling=pooling, scale=D**-0.5, kmean=cpu_mean,
                               folded=folded)
+        if pooling == "softmax":
+            # Selected by bins: a score rounded across a bin's edge moves one bin, and that bin's lowest blocks.
+            scores = bin_keys(scores, *score_bins("softmax", group)).float()
         for b in range(2):
             for h in range(2):
                 a, r = got[b, h].cpu(), ref[b, h]
                 assert torch.equal(a < 0, r < 0)
                 ka, kr = scores[b, h, a[a >= 0].long()].sort().values, scores[b, h, r[r >= 0].long()].sort().values
+                if pooling == "softmax":
+                    assert (ka - kr).abs().max() <= 1
+                else:
+                    torch.testing.assert_close(ka, kr, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group", [1, 2, 7])
+def test_softmax_score_bins(group):
+    """Softmax pooling's bins: in score order, 1/128 octave wide, the group's score in the last bin but one,
+    +inf (forced blocks) in the last, zero and what lies 32 octaves below the group's in bin 0."""
+    shift, base = score_bins("softmax", group)
+    scores = torch.sort(torch.rand(20000) * group * 2.0 ** -torch.randint(0, 40, (20000,)).float()).values
+    bins = bin_keys(scores, shift, base)
+    assert (bins[1:] >= bins[:-1]).all()
+    inside = (bins > 0) & (bins < HIST_BINS - 2)
+    for i in torch.nonzero(inside[1:] & (bins[1:] == bins[:-1])).flatten()[:2000].tolist():
+        assert scores[i + 1] / scores[i] < 1 + 2.0 ** -7
+    assert bin_keys(torch.tensor([float(group), float("inf"), 0.0]), shift, base).tolist() == [HIST_BINS - 2,
+                                                                                              HIST_BINS - 1, 0]
+    assert bin_keys(torch.tensor([group * 2.0 ** -33]), shift, base).item() == 0
+    assert bin_keys(torch.tensor([group * 2.0 ** -31]), shift, base).item() > 0
+
+
+def test_softmax_selection_takes_higher_bins_then_lowest_index():
+    """Two heads' scores built to fall in few bins: the reference keeps every block of a bin above the k-th
+    score's and fills the rest from that bin in index order, not by the scores inside it."""
+    torch.manual_seed(42)
+    n_blocks, D = 200, 16
+    # A group of one: each block's bound is its first coordinate times q's; bounds spaced well apart pick bins.
+    bound = torch.zeros(1, 1, n_blocks)
+    bound[0, 0, :] = torch.linspace(-20.0, 0.0, n_blocks).flip(0).round()
+    kmax = torch.zeros(1, 1, n_blocks, D)
+    kmax[..., 0] = bound
+    q = torch.zeros(1, 1, D)
+    q[..., 0] = 1.0
+    length = torch.tensor([n_blocks * BS])
+    rule = KeepRule(0.1, 16, 1, 0, pooling="softmax")
+    got = select_ref(q, kmax, kmax.clone(), length, block_size=BS, rule=rule, width=rule.keep(n_blocks))[0, 0]
+    scores = block_scores(q, kmax, kmax.clone(), length, block_size=BS, local_blocks=1, pooling="softmax")[0, 0]
+    bins = bin_keys(scores, *score_bins("softmax", 1))
+    k = rule.keep(n_blocks)
+    kth = torch.sort(bins, descending=True).values[k - 1]
+    above = torch.nonzero(bins > kth).flatten()
+    fill = torch.nonzero(bins == kth).flatten()[:k - len(above)]
+    assert got.tolist() == torch.cat([above, fill]).sort().values.tolist()
+    assert len(torch.nonzero(bins == kth)) > k - len(above)  # the case built: the k-th bin is split
+
+
+def _int8(keys, lengths):
+    """Folded descriptors as int8 codes and their scale, by the reference."""
+    B, H, S, D = keys.shape
+    nb = cdiv(S, BS)
+    hi = torch.zeros(B, H, nb, D, dtype=torch.int8)
+    lo, scale = hi.clone(), torch.zeros(B, H, nb)
+    for b, n in enumerate(lengths):
+        update_ref(keys[b:b + 1].cpu(), hi[b:b + 1], lo[b:b + 1], torch.tensor([n]), n, BS, fold_mean=True,
+                   scale=scale[b:b + 1])
+    return hi, lo, scale
+
+
+@pytest.mark.parametrize("n_new", [1, 33], ids=lambda n: f"new{n}")
+@pytest.mark.parametrize("D", [64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+@pytest.mark.triton
+def test_descriptors_triton_int8(dtype, D, n_new):
+    """int8 codes of the folded descriptors: a step apart at most where the fp32 sums round differently."""
+    from kernels.block_descriptors.triton import update_block_descriptors_triton
+
+    _supported(dtype)
+    L = 1000
+    keys = _keys(1, 4, L + 40, D, [L], dtype=dtype, device=DEVICE)
+    hi, lo, scale = _int8(keys, [L - n_new])
+    got = [t.to(DEVICE) for t in (hi, lo, scale)]
+    update_block_descriptors_triton(keys, got[0], got[1], torch.tensor([L], device=DEVICE), n_new, BS,
+                                    fold_mean=True, scale=got[2])
+    update_ref(keys.cpu(), hi, lo, torch.tensor([L]), n_new, BS, fold_mean=True, scale=scale)
+    for a, b in ((got[0], hi), (got[1], lo)):
+        diff = a.cpu().int() - b.int()
+        assert diff.abs().max() <= 1 and (diff != 0).float().mean() < 0.05
+    torch.testing.assert_close(got[2].cpu(), scale, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=0)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "softmax"])
+@pytest.mark.parametrize("L", [1000, 32768], ids=lambda n: f"L{n}")
+@pytest.mark.parametrize("group", [1, 4], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("D", [64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.triton
+def test_select_triton_int8_matches_reference(D, group, L, pooling):
+    """Selection over int8 descriptors and their scale: the reference's blocks, up to near-ties."""
+    from kernels.block_select.triton import select_blocks_triton
+
+    q, keys, _, _, _, length = _problem(2, group, L, D, torch.float32 if DEVICE == "cpu" else torch.bfloat16)
+    hi, lo, scale = _int8(keys.cpu(), length.tolist())
+    rule = KeepRule(0.1, 16, 1, 1, pooling=pooling, centroid=True)
+    args = dict(block_size=BS, rule=rule, width=rule.keep(hi.shape[2]) + 3, scale=D**-0.5, folded=True)
+    got = select_blocks_triton(q, hi.to(DEVICE), lo.to(DEVICE), length, descriptor_scale=scale.to(DEVICE),
+                               histogram=new_histogram(2, 2, DEVICE), **args).cpu()
+    ref = select_ref(q.cpu(), hi, lo, length.cpu(), descriptor_scale=scale, **args)
+    if torch.equal(got, ref):
+        return
+    scores = block_scores(q.cpu(), hi, lo, length.cpu(), block_size=BS, local_blocks=1, sink_blocks=1,
+                          pooling=pooling, scale=D**-0.5, folded=True, descriptor_scale=scale)
+    if pooling == "softmax":
+        scores = bin_keys(scores, *score_bins("softmax", group)).float()
+    for b in range(2):
+        for h in range(2):
+            a, r = got[b, h], ref[b, h]
+            assert torch.equal(a < 0, r < 0)
+            ka, kr = scores[b, h, a[a >= 0].long()].sort().values, scores[b, h, r[r >= 0].long()].sort().values
+            if pooling == "softmax":
+                assert (ka - kr).abs().max() <= 1
+            else:
                 torch.testing.assert_close(ka, kr, atol=1e-4, rtol=1e-4)
 
 

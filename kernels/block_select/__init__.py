@@ -16,14 +16,10 @@ import functools
 
 import torch
 
-from kernels.block_select.reference import POOLINGS, KeepRule, block_scores
+from kernels.block_select.reference import HIST_BINS, POOLINGS, KeepRule, block_scores, score_bins
 from kernels.block_select.reference import select_blocks as select_blocks_reference
 
-# The Triton top-k's histogram of scores: a score's bin is its int32 order key's top 12 bits (sign, exponent,
-# 3 mantissa bits).
-HIST_BINS = 4096
-
-__all__ = ["HIST_BINS", "POOLINGS", "KeepRule", "block_scores", "new_histogram", "select_blocks",
+__all__ = ["HIST_BINS", "POOLINGS", "KeepRule", "block_scores", "new_histogram", "score_bins", "select_blocks",
            "select_blocks_reference"]
 
 
@@ -39,13 +35,15 @@ def _triton_impl():
 def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                   block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
                   kmean: torch.Tensor | None = None, folded: bool = False,
-                  histogram: torch.Tensor | None = None) -> torch.Tensor:
+                  histogram: torch.Tensor | None = None, descriptor_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; kmax, kmin (and kmean, required by rule.centroid): [B, Hkv, NB, D]; length: [B] int64
     (valid keys, the new one included); scale: the attention's softmax scale (used by rule.pooling "softmax").
     folded: kmax and kmin hold max + mean and min + mean (kernels/block_descriptors' fold_mean): rule.centroid's
     score is then half their bound, from two descriptors instead of three (kmean not read).
     histogram: scratch the Triton kernels keep zeroed between calls, int32 [B, Hkv, HIST_BINS] (`new_histogram`);
     it shortens their search and changes no result. The reference ignores it.
+    descriptor_scale: [B, Hkv, NB] fp32 with int8 kmax and kmin (kernels/block_descriptors' scale): each block's
+    codes times its scale; Quest's bound from the codes, scaled.
 
     Returns block indices [B, Hkv, width] int32: the kept blocks ascending, then -1. width >= rule.keep(NB).
     """
@@ -54,7 +52,7 @@ def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, lengt
     if folded and not rule.centroid:
         raise ValueError("folded descriptors hold the block means: expected a rule with centroid")
     args = dict(block_size=block_size, rule=rule, width=width, scale=scale, kmean=None if folded else kmean,
-                folded=folded)
+                folded=folded, descriptor_scale=descriptor_scale)
     impl = _triton_impl() if q.is_cuda else None
     if impl is None:
         return select_blocks_reference(q, kmax, kmin, length, **args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -10,6 +11,9 @@ import torch
 from kernels import cdiv
 
 POOLINGS = ("mean", "softmax")
+# Scores fall in HIST_BINS bins of their int32 order keys (score_bins); the Triton top-k counts them to start its
+# search in the k-th score's bin, and softmax pooling selects by bins (select_blocks).
+HIST_BINS = 4096
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,12 @@ class KeepRule:
     summed over the group, so that a head whose attention is peaked on a few blocks gets them kept).
     `centroid` (ours): a head's block score is the average of Quest's bound and q . (the block's mean key), an
     estimate of the block's typical logit rather than its loosest upper bound (needs the kmean descriptor).
+
+    Softmax pooling's scores (probabilities summed over the group, in [0, group]) are compared by their bins of
+    1/128 octave (score_bins): the blocks of the bins above the k-th score's are kept, then that bin's blocks,
+    lowest index first. Scores in one bin differ by under 0.8%, about the bf16 rounding of the descriptors and
+    queries they come from, and the Triton top-k then takes one pass with no search. Mean pooling's top-k is
+    exact (ties: lowest index).
     """
 
     keep_ratio: float
@@ -46,14 +56,41 @@ class KeepRule:
         return max(cdiv(n_blocks * num, den), min(n_blocks, self.min_blocks))
 
 
+def score_bins(pooling: str, group: int) -> tuple[int, int]:
+    """(shift, base): a score's bin is clamp((order key >> shift) - base, 0, HIST_BINS - 1). Mean pooling's scores
+    take any sign and size: the key's top 12 bits (sign, exponent, 3 mantissa bits), no clamping. Softmax
+    pooling's lie in [0, group]: 128 bins an octave (7 mantissa bits) over the 32 octaves below `group`, whose
+    bin is the last but one; smaller scores share bin 0, the forced blocks' +inf the last bin."""
+    if pooling == "mean":
+        return 20, -(HIST_BINS // 2)
+    top = struct.unpack("<i", struct.pack("<f", float(group)))[0] >> 16
+    return 16, top - (HIST_BINS - 2)
+
+
+def order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int32 keys with the same order (the magnitude bits of negatives flipped)."""
+    u = scores.float().contiguous().view(torch.int32)
+    return u ^ ((u >> 31) & 0x7FFFFFFF)
+
+
+def bin_keys(scores: torch.Tensor, shift: int, base: int) -> torch.Tensor:
+    """The scores' bins (see score_bins), int32."""
+    return ((order_keys(scores) >> shift) - base).clamp(0, HIST_BINS - 1)
+
+
 def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                  block_size: int, local_blocks: int, sink_blocks: int = 0, pooling: str = "mean",
-                 scale: float = 1.0, kmean: torch.Tensor | None = None, folded: bool = False) -> torch.Tensor:
+                 scale: float = 1.0, kmean: torch.Tensor | None = None, folded: bool = False,
+                 descriptor_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Scores [B, Hkv, NB] fp32: the group's pooled Quest bounds (see KeepRule), +inf for the forced (local and
     sink) blocks, -inf past the end. scale (the attention's) only matters to softmax pooling. kmean given: each
     bound is averaged with q . kmean (KeepRule.centroid). folded (kmean None): kmax and kmin hold max + mean and
-    min + mean (kernels/block_descriptors' fold_mean), whose bound is the bound plus q . mean: it is halved."""
+    min + mean (kernels/block_descriptors' fold_mean), whose bound is the bound plus q . mean: it is halved.
+    descriptor_scale [B, Hkv, NB]: kmax and kmin are int8 codes of it."""
     B, Hq, D = q.shape
+    if descriptor_scale is not None:
+        kmax = kmax.float() * descriptor_scale[..., None]
+        kmin = kmin.float() * descriptor_scale[..., None]
     Hkv, NB = kmax.shape[1], kmax.shape[2]
     qg = q.float().view(B, Hkv, Hq // Hkv, D)
     n_blocks = (length + block_size - 1) // block_size  # [B]
@@ -82,17 +119,26 @@ def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length
 
 def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                   block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
-                  kmean: torch.Tensor | None = None, folded: bool = False) -> torch.Tensor:
-    """See kernels.block_select.select_blocks. Ties are broken by torch.topk (the kernel: lowest index)."""
+                  kmean: torch.Tensor | None = None, folded: bool = False,
+                  descriptor_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """See kernels.block_select.select_blocks. Mean pooling: ties are broken by torch.topk (the kernel: lowest
+    index). Softmax pooling: by bins (KeepRule), lowest index first within the k-th score's bin."""
     B, Hkv = kmax.shape[:2]
     scores = block_scores(q, kmax, kmin, length, block_size=block_size, local_blocks=rule.local_blocks,
                           sink_blocks=rule.sink_blocks, pooling=rule.pooling, scale=scale,
-                          kmean=kmean if rule.centroid and not folded else None, folded=rule.centroid and folded)
+                          kmean=kmean if rule.centroid and not folded else None, folded=rule.centroid and folded,
+                          descriptor_scale=descriptor_scale)
     out = torch.full((B, Hkv, width), -1, dtype=torch.int32, device=q.device)
+    if rule.pooling == "softmax":
+        # A stable descending sort of the bins keeps the lowest index first among equal ones; past the end: -1.
+        keys = bin_keys(scores, *score_bins("softmax", q.shape[1] // Hkv)).masked_fill(scores == float("-inf"), -1)
     for b, n in enumerate(length.tolist()):
         k = rule.keep(cdiv(n, block_size))
         if k > width:
             raise ValueError(f"{k} blocks to keep do not fit the selection width {width}")
-        top = torch.topk(scores[b], k, dim=-1).indices.sort(dim=-1).values  # [Hkv, k]
+        if rule.pooling == "softmax":
+            top = torch.sort(keys[b], dim=-1, descending=True, stable=True).indices[:, :k].sort(dim=-1).values
+        else:
+            top = torch.topk(scores[b], k, dim=-1).indices.sort(dim=-1).values  # [Hkv, k]
         out[b, :, :k] = top.to(torch.int32)
     return out

@@ -5,8 +5,8 @@
    `_head_bounds_kernel` writes each head's scaled bounds (Quest's bound as two tensor-core products) and the
    tile's per-head max and sum of exponentials, and `_softmax_pool_kernel` (same grid) reduces those over
    the tiles and sums the heads' probabilities.
-2. The exact top-k, one program per (batch, kv head), in triton_topk.py: in registers up to _RESIDENT_MAX
-   blocks, in passes over L2 past it.
+2. The top-k, one program per (batch, kv head), in triton_topk.py: in registers up to _RESIDENT_MAX blocks, in
+   passes over L2 past it; exact for mean pooling, by the scores' bins for softmax pooling (reference.KeepRule).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels._gdc import grid_dependency_wait, use_pdl
 from kernels._triton_common import check_device, launch_context
-from kernels.block_select.reference import KeepRule
+from kernels.block_select.reference import KeepRule, score_bins
 from kernels.block_select.triton_topk import (HIST_BINS, _block_topk_kernel, _block_topk_resident_kernel,
                                               count_score_bins)
 
@@ -36,9 +36,10 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _block_scores_kernel(
-    Q, Kmax, Kmin, Kmean, Length, Scores, Hist, n_kv_heads, n_blocks_cap, local_blocks, sink_blocks, stride_qb,
-    stride_qh, stride_db, stride_dh, stride_dn, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, CENTROID: tl.constexpr, FOLDED: tl.constexpr, HIST: tl.constexpr,
+    Q, Kmax, Kmin, Kmean, Scale, Length, Scores, Hist, n_kv_heads, n_blocks_cap, local_blocks, sink_blocks,
+    stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb, stride_sh, GROUP: tl.constexpr,
+    G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, CENTROID: tl.constexpr,
+    FOLDED: tl.constexpr, QUANT: tl.constexpr, HIST: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Mean pooling (the paper's rule), one (batch, kv head, tile of blocks) per program."""
@@ -62,6 +63,8 @@ def _block_scores_kernel(
     q = tl.load(q_row[None, :] + offs_g[:, None] * stride_qh, mask=offs_g[:, None] < GROUP, other=0.0)
     qbar = tl.sum(q.to(tl.float32), 0) / GROUP  # [HEAD_DIM]
     s = tl.sum(tl.maximum(qbar[None, :] * top, qbar[None, :] * bottom), 1)
+    if QUANT:
+        s = s * tl.load(Scale + b * stride_sb + h * stride_sh + offs, mask=scored, other=0.0)
     if FOLDED:
         s = s * 0.5  # the descriptors' bound is Quest's plus q . mean
     elif CENTROID:
@@ -69,7 +72,7 @@ def _block_scores_kernel(
     s = tl.where(scored, s, tl.where(offs < n_blocks, float("inf"), float("-inf")))
     tl.store(Scores + pid_bh.to(tl.int64) * n_blocks_cap + offs, s, mask=offs < n_blocks_cap)
     if HIST:
-        count_score_bins(Hist, pid_bh, s, offs < n_blocks)
+        count_score_bins(Hist, pid_bh, s, offs < n_blocks, SHIFT, BASE)
 
 
 @triton.jit
@@ -84,14 +87,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _head_bounds_kernel(
-    Q, Kmax, Kmin, Kmean, Length, Bounds, TileMax, TileSum, n_kv_heads, n_blocks_cap, n_tiles, local_blocks,
-    sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn,
+    Q, Kmax, Kmin, Kmean, Scale, Length, Bounds, TileMax, TileSum, n_kv_heads, n_blocks_cap, n_tiles, local_blocks,
+    sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb, stride_sh,
     GROUP: tl.constexpr, G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
-    CENTROID: tl.constexpr, FOLDED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    CENTROID: tl.constexpr, FOLDED: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Softmax pooling's first half, one (batch, kv head, tile of blocks) per program: every head's scaled
     bounds, and the tile's per-head max and sum of exp2. Quest's bound is two products on the tensor cores:
-    sum_d max(q_d * kmax_d, q_d * kmin_d) = max(q, 0) . kmax + min(q, 0) . kmin, as kmax >= kmin."""
+    sum_d max(q_d * kmax_d, q_d * kmin_d) = max(q, 0) . kmax + min(q, 0) . kmin, as kmax >= kmin. QUANT: int8
+    descriptors, exact in half precision (|code| <= 127), the products then scaled per block."""
     grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0)
     tile = tl.program_id(1)
@@ -107,6 +111,8 @@ def _head_bounds_kernel(
     offs_g = tl.arange(0, G_DOT)  # the group's heads, padded to a tensor-core tile with zero rows
     q = tl.load(Q + b * stride_qb + (h * GROUP + offs_g[:, None]) * stride_qh + offs_d[None, :],
                 mask=offs_g[:, None] < GROUP, other=0.0)
+    if QUANT:
+        top, bottom = top.to(Q.dtype.element_ty), bottom.to(Q.dtype.element_ty)
     if IEEE:
         q, top, bottom = q.to(tl.float32), top.to(tl.float32), bottom.to(tl.float32)
     else:
@@ -115,6 +121,8 @@ def _head_bounds_kernel(
     q_pos = tl.maximum(q, zero).to(top.dtype)  # Triton computes half-precision max / min in fp32
     q_neg = tl.minimum(q, zero).to(top.dtype)
     s = _dot(q_pos, top, IEEE) + _dot(q_neg, bottom, IEEE)  # [G_DOT, TILE]
+    if QUANT:
+        s = s * tl.load(Scale + b * stride_sb + h * stride_sh + offs, mask=scored, other=0.0)[None, :]
     if FOLDED:
         s = s * 0.5  # the descriptors' bound is Quest's plus q . mean
     elif CENTROID:
@@ -135,7 +143,7 @@ def _head_bounds_kernel(
 def _softmax_pool_kernel(
     Bounds, TileMax, TileSum, Length, Scores, Hist, n_kv_heads, n_blocks_cap, n_tiles, local_blocks, sink_blocks,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, NT_PAD: tl.constexpr, HIST: tl.constexpr,
-    PDL: tl.constexpr,
+    SHIFT: tl.constexpr, BASE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Scores of one tile: sum over the group's heads of exp2(bound - max) / sum, max and sum over all tiles."""
     grid_dependency_wait(PDL)
@@ -157,7 +165,7 @@ def _softmax_pool_kernel(
     acc = tl.where(scored, acc, tl.where(offs < n_blocks, float("inf"), float("-inf")))
     tl.store(Scores + pid_bh * n_blocks_cap + offs, acc, mask=offs < n_blocks_cap)
     if HIST:
-        count_score_bins(Hist, pid_bh, acc, offs < n_blocks)
+        count_score_bins(Hist, pid_bh, acc, offs < n_blocks, SHIFT, BASE)
 
 
 def resident_layout(n_blocks: int) -> tuple[int, int, int]:
@@ -172,7 +180,8 @@ def resident_layout(n_blocks: int) -> tuple[int, int, int]:
 def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                          block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
                          kmean: torch.Tensor | None = None, folded: bool = False,
-                         histogram: torch.Tensor | None = None) -> torch.Tensor:
+                         histogram: torch.Tensor | None = None,
+                         descriptor_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.select_blocks; CUDA-graph capturable. histogram: int32 [B, Hkv, HIST_BINS],
     zeros, kept by the caller across calls (the top-k zeroes it again); without it the top-k's search starts from
     the scores' range."""
@@ -181,10 +190,21 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     B, Hq, D = q.shape
     if kmax.dim() != 4 or kmax.shape[0] != B or kmax.shape[3] != D or Hq % kmax.shape[1]:
         raise ValueError(f"expected kmax of shape [{B}, Hkv, NB, {D}] with Hq % Hkv == 0, got {tuple(kmax.shape)}")
-    if kmin.shape != kmax.shape or kmin.stride() != kmax.stride():
-        raise ValueError(f"expected kmin shaped and strided like kmax {tuple(kmax.shape)}, got {tuple(kmin.shape)}")
+    if kmin.shape != kmax.shape or kmin.stride() != kmax.stride() or kmin.dtype != kmax.dtype:
+        raise ValueError(f"expected kmin shaped, strided and typed like kmax {tuple(kmax.shape)}, got "
+                         f"{tuple(kmin.shape)} {kmin.dtype}")
+    quant = descriptor_scale is not None
+    if quant and (kmax.dtype != torch.int8 or descriptor_scale.shape != kmax.shape[:3]
+                  or descriptor_scale.dtype != torch.float32 or descriptor_scale.stride(2) != 1):
+        raise ValueError(f"expected int8 descriptors and a float32 descriptor_scale of shape {tuple(kmax.shape[:3])} "
+                         f"with unit stride over blocks, got {kmax.dtype} and {tuple(descriptor_scale.shape)} "
+                         f"{descriptor_scale.dtype}")
+    if not quant and kmax.dtype == torch.int8:
+        raise ValueError("expected a descriptor_scale with int8 descriptors")
     fold = rule.centroid and folded
     separate_mean = rule.centroid and not folded
+    if separate_mean and quant:
+        raise ValueError("int8 descriptors (descriptor_scale) need the mean folded in: expected folded=True")
     if separate_mean and (kmean is None or kmean.shape != kmax.shape or kmean.stride() != kmax.stride()):
         raise ValueError(f"expected kmean shaped and strided like kmax {tuple(kmax.shape)} (rule.centroid), got "
                          f"{None if kmean is None else tuple(kmean.shape)}")
@@ -201,6 +221,7 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                          f"{tuple(histogram.shape)} {histogram.dtype}")
     described = (("kmean", kmean),) if separate_mean else ()
     described += (("histogram", histogram),) if histogram is not None else ()
+    described += (("descriptor_scale", descriptor_scale),) if quant else ()
     for name, t in (("q", q), ("kmax", kmax), ("kmin", kmin), ("length", length), *described):
         check_device(name, t, q.device)
     group = Hq // Hkv
@@ -213,46 +234,51 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     hist = histogram is not None
     pdl = use_pdl(q.device)
     hist_arg = histogram if hist else out  # never read without HIST
+    shift, base = score_bins(rule.pooling, group)
+    scale_arg = descriptor_scale if quant else length  # never read without QUANT
+    scale_strides = (descriptor_scale.stride(0), descriptor_scale.stride(1)) if quant else (0, 0)
     with launch_context(q.device):
         if softmax:
             # Scratch: each head's scaled bounds, and per tile each head's max and sum of exp2.
             bounds = torch.empty(B, Hkv, group, NB, device=q.device, dtype=torch.float32)
             tile_max = torch.empty(B, Hkv, group, n_tiles, device=q.device, dtype=torch.float32)
             tile_sum = torch.empty_like(tile_max)
-            # Tensor-core products in the descriptors' half precision when q shares it; fp32 otherwise.
-            ieee = kmax.dtype == torch.float32 or q.dtype != kmax.dtype
+            # Tensor-core products in the descriptors' half precision when q shares it (int8 codes: in q's); fp32
+            # otherwise.
+            ieee = q.dtype == torch.float32 if quant else (kmax.dtype == torch.float32 or q.dtype != kmax.dtype)
             _head_bounds_kernel[(B * Hkv, n_tiles)](
-                q, kmax, kmin, kmean if separate_mean else kmax, length, bounds, tile_max, tile_sum, Hkv, NB,
-                n_tiles, rule.local_blocks, rule.sink_blocks, scale * _LOG2E, q.stride(0), q.stride(1),
-                kmax.stride(0), kmax.stride(1), kmax.stride(2), GROUP=group,
+                q, kmax, kmin, kmean if separate_mean else kmax, scale_arg, length, bounds, tile_max, tile_sum, Hkv,
+                NB, n_tiles, rule.local_blocks, rule.sink_blocks, scale * _LOG2E, q.stride(0), q.stride(1),
+                kmax.stride(0), kmax.stride(1), kmax.stride(2), *scale_strides, GROUP=group,
                 G_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size, TILE=tile,
-                CENTROID=rule.centroid, FOLDED=fold, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
+                CENTROID=rule.centroid, FOLDED=fold, QUANT=quant, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
                 num_warps=_SCORE_WARPS,
             )
             _softmax_pool_kernel[(B * Hkv, n_tiles)](
                 bounds, tile_max, tile_sum, length, scores, hist_arg, Hkv, NB, n_tiles, rule.local_blocks,
                 rule.sink_blocks, GROUP=group, BLOCK=block_size, TILE=tile,
-                NT_PAD=max(16, triton.next_power_of_2(n_tiles)), HIST=hist, PDL=pdl, launch_pdl=pdl, num_warps=4,
+                NT_PAD=max(16, triton.next_power_of_2(n_tiles)), HIST=hist, SHIFT=shift, BASE=base, PDL=pdl,
+                launch_pdl=pdl, num_warps=4,
             )
         else:
             _block_scores_kernel[(B * Hkv, n_tiles)](
-                q, kmax, kmin, kmean if separate_mean else kmax, length, scores, hist_arg, Hkv, NB,
+                q, kmax, kmin, kmean if separate_mean else kmax, scale_arg, length, scores, hist_arg, Hkv, NB,
                 rule.local_blocks, rule.sink_blocks, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
-                kmax.stride(2), GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D,
-                BLOCK=block_size, TILE=_SCORE_TILE, CENTROID=rule.centroid, FOLDED=fold,
-                HIST=hist, PDL=pdl, launch_pdl=pdl,
-                num_warps=4,
+                kmax.stride(2), *scale_strides, GROUP=group, G_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=D,
+                BLOCK=block_size, TILE=_SCORE_TILE, CENTROID=rule.centroid, FOLDED=fold, QUANT=quant,
+                HIST=hist, SHIFT=shift, BASE=base, PDL=pdl, launch_pdl=pdl, num_warps=4,
             )
         if NB <= _RESIDENT_MAX:
             main, rest, warps = resident_layout(NB)
             _block_topk_resident_kernel[(B * Hkv,)](
                 scores, length, out, hist_arg, NB, width, num, den, rule.min_blocks, Hkv,
                 BLOCK=block_size, NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)), HIST=hist,
-                PDL=pdl, launch_pdl=pdl, num_warps=_TOPK_WARPS or warps,
+                SHIFT=shift, BASE=base, BINNED=softmax, PDL=pdl, launch_pdl=pdl, num_warps=_TOPK_WARPS or warps,
             )
         else:
             _block_topk_kernel[(B * Hkv,)](
                 scores, length, out, hist_arg, NB, width, num, den, rule.min_blocks, Hkv,
-                BLOCK=block_size, TILE=_SELECT_TILE, HIST=hist, PDL=pdl, launch_pdl=pdl, num_warps=8,
+                BLOCK=block_size, TILE=_SELECT_TILE, HIST=hist, SHIFT=shift, BASE=base, BINNED=softmax, PDL=pdl,
+                launch_pdl=pdl, num_warps=8,
             )
     return out

@@ -10,10 +10,14 @@ radix select (four tl.histogram passes, 1.8x slower), a search of 2 bits a step 
 same three counts packed into one int64 reduction (select 31.1 -> 31.5 us at 8,192 blocks, 65.2 -> 69.4 at 16,384),
 the softmax pooling fused into this kernel (slower).
 
-Given a histogram of the scores (HIST_BINS bins of their order keys' top bits, counted by the scoring kernel), both
-kernels start their search inside the bin that holds the k-th largest score instead of across every finite
-score, and zero the histogram for the next call. A histogram that does not count exactly the row's blocks (left
-over from a call stopped between its two launches) is ignored: the search then brackets by the keys present.
+Given a histogram of the scores (HIST_BINS bins of their order keys, counted by the scoring kernel), both kernels
+start their search inside the bin that holds the k-th largest score instead of across every finite score, and
+zero the histogram for the next call. A histogram that does not count exactly the row's blocks (left over from a
+call stopped between its two launches) is ignored: the search then brackets by the keys present.
+
+BINNED (softmax pooling's rule, reference.select_blocks): the keys compared are the scores' bins, so the k-th
+score's bin is the threshold and, with the histogram, there is nothing to search: one pass takes the blocks of
+higher bins and the lowest-indexed blocks of that bin.
 """
 
 from __future__ import annotations
@@ -25,8 +29,6 @@ from kernels._gdc import grid_dependency_wait
 from kernels.block_select import HIST_BINS
 
 _HIST_BINS = tl.constexpr(HIST_BINS)
-_BIN_SHIFT = tl.constexpr(20)
-_BIN_WIDTH = tl.constexpr(1 << 20)
 
 
 @triton.jit
@@ -37,9 +39,15 @@ def _int_key(s):
 
 
 @triton.jit
-def count_score_bins(Hist, pid_bh, s, inside):
+def _bin_of(key, SHIFT: tl.constexpr, BASE: tl.constexpr):
+    """int32 order keys -> their bins (reference.score_bins): key >> SHIFT less BASE, clamped to the bins."""
+    return tl.minimum(tl.maximum((key >> SHIFT) - BASE, 0), _HIST_BINS - 1)
+
+
+@triton.jit
+def count_score_bins(Hist, pid_bh, s, inside, SHIFT: tl.constexpr, BASE: tl.constexpr):
     """Add the scores s (fp32) where `inside` to their bins in row pid_bh of Hist [B * Hkv, HIST_BINS] int32."""
-    bins = (_int_key(s) >> _BIN_SHIFT) + _HIST_BINS // 2
+    bins = _bin_of(_int_key(s), SHIFT, BASE)
     tl.atomic_add(Hist + pid_bh.to(tl.int64) * _HIST_BINS + bins, inside.to(tl.int32), mask=inside, sem="relaxed")
 
 
@@ -49,9 +57,10 @@ def _sum_max_min(a_n, a_bin, a_count, b_n, b_bin, b_count):
 
 
 @triton.jit
-def _hist_bracket(Hist, pid_bh, n_blocks, k):
+def _hist_bracket(Hist, pid_bh, n_blocks, k, SHIFT: tl.constexpr, BASE: tl.constexpr, BINNED: tl.constexpr):
     """(usable, lo, hi, exact) from row pid_bh of the histogram, which is zeroed: [lo, hi) is the bin of the k-th
-    largest int32 order key, exact when exactly k keys are >= lo. usable: the row counts n_blocks scores."""
+    largest int32 order key (BINNED: that bin's index, lo, and lo + 1), exact when exactly k keys are >= lo.
+    usable: the row counts n_blocks scores."""
     offs = tl.arange(0, _HIST_BINS)
     row = Hist + pid_bh * _HIST_BINS + offs
     h = tl.load(row)
@@ -60,14 +69,30 @@ def _hist_bracket(Hist, pid_bh, n_blocks, k):
     reach = above >= k
     total, top_bin, at_top = tl.reduce((h, tl.where(reach, offs, -1), tl.where(reach, above, 2147483647)), 0,
                                        _sum_max_min)
-    lo = (top_bin - _HIST_BINS // 2).to(tl.int64) << _BIN_SHIFT
-    return (total == n_blocks) & (top_bin >= 0), lo, lo + _BIN_WIDTH, at_top == k
+    if BINNED:
+        lo = top_bin.to(tl.int64)
+        hi = lo + 1
+    else:
+        # The end bins also hold the keys clamped into them.
+        lo = tl.where(top_bin == 0, -2147483648, (top_bin + BASE).to(tl.int64) << SHIFT)
+        hi = tl.where(top_bin == _HIST_BINS - 1, 2147483648, (top_bin + BASE + 1).to(tl.int64) << SHIFT)
+    return (total == n_blocks) & (top_bin >= 0), lo, hi, at_top == k
 
 
 @triton.jit
 def _order_key(s):
     """fp32 -> int64 in [0, 2^32) with the same order."""
     return _int_key(s).to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _select_key(s, SHIFT: tl.constexpr, BASE: tl.constexpr, BINNED: tl.constexpr):
+    """The multipass kernel's key of a score: its bin (BINNED), else its order key, as int64."""
+    if BINNED:
+        key = _bin_of(_int_key(s), SHIFT, BASE).to(tl.int64)
+    else:
+        key = _order_key(s)
+    return key
 
 
 @triton.jit
@@ -80,11 +105,11 @@ def _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK: tl.
 
 
 @triton.jit
-def _count_at_least(Row, n, thr, TILE: tl.constexpr):
+def _count_at_least(Row, n, thr, TILE: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr, BINNED: tl.constexpr):
     count = tl.zeros([], dtype=tl.int64)
     for t in range(0, n, TILE):
         offs = t + tl.arange(0, TILE)
-        key = _order_key(tl.load(Row + offs, mask=offs < n, other=float("-inf")))
+        key = _select_key(tl.load(Row + offs, mask=offs < n, other=float("-inf")), SHIFT, BASE, BINNED)
         count += tl.sum(((key >= thr) & (offs < n)).to(tl.int64), 0)
     return count
 
@@ -92,7 +117,8 @@ def _count_at_least(Row, n, thr, TILE: tl.constexpr):
 @triton.jit
 def _block_topk_kernel(
     Scores, Length, Out, Hist, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, HIST: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr,
+    BINNED: tl.constexpr, PDL: tl.constexpr,
 ):
     grid_dependency_wait(PDL)
     pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
@@ -100,29 +126,29 @@ def _block_topk_kernel(
     # Invariant: count(key >= lo) >= k > count(key >= hi); after at most 32 halvings lo is the k-th largest
     # key, or a key with exactly k blocks at or above it (as good a threshold: the output takes its ties).
     lo = tl.zeros([], dtype=tl.int64)
-    hi = lo + 4294967296
+    hi = lo + (_HIST_BINS if BINNED else 4294967296)
     count = lo - 1
     if HIST:
-        usable, bin_lo, bin_hi, exact = _hist_bracket(Hist, pid_bh, n_blocks, k)
+        usable, bin_lo, bin_hi, exact = _hist_bracket(Hist, pid_bh, n_blocks, k, SHIFT, BASE, BINNED)
         if usable:
-            # The histogram's int32 keys, shifted to this kernel's unsigned ones.
-            lo = bin_lo + 2147483648
-            hi = bin_hi + 2147483648
+            # The histogram's int32 keys, shifted to this kernel's unsigned ones (bins stay as they are).
+            lo = bin_lo + (0 if BINNED else 2147483648)
+            hi = bin_hi + (0 if BINNED else 2147483648)
             count = tl.where(exact, k, count)
     while (hi - lo > 1) & (count != k):
         mid = (lo + hi) // 2
-        count = _count_at_least(row, n_blocks, mid, TILE)
+        count = _count_at_least(row, n_blocks, mid, TILE, SHIFT, BASE, BINNED)
         enough = count >= k
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid)
-    ties_wanted = k - _count_at_least(row, n_blocks, lo + 1, TILE)
+    ties_wanted = k - _count_at_least(row, n_blocks, lo + 1, TILE, SHIFT, BASE, BINNED)
     out_row = Out + pid_bh * width
     n_sel = tl.zeros([], dtype=tl.int64)
     n_eq = tl.zeros([], dtype=tl.int64)
     for t in range(0, n_blocks, TILE):
         offs = t + tl.arange(0, TILE)
         inside = offs < n_blocks
-        key = _order_key(tl.load(row + offs, mask=inside, other=float("-inf")))
+        key = _select_key(tl.load(row + offs, mask=inside, other=float("-inf")), SHIFT, BASE, BINNED)
         eq = (key == lo) & inside
         take = ((key > lo) & inside) | (eq & (n_eq + tl.cumsum(eq.to(tl.int64), 0) <= ties_wanted))
         slot = n_sel + tl.cumsum(take.to(tl.int64), 0) - 1
@@ -206,46 +232,63 @@ def _resident_store(out_row, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, exac
     if exact:
         take_a = (key_a >= thr) & in_a
         take_b = (key_b >= thr) & in_b
+        tl.store(out_row + tl.cumsum(take_a.to(tl.int32), 0) - 1, offs_a.to(tl.int32), mask=take_a)
+        first_b = tl.sum(take_a.to(tl.int32), 0)
+        tl.store(out_row + first_b + tl.cumsum(take_b.to(tl.int32), 0) - 1, offs_b.to(tl.int32), mask=take_b)
     else:
-        gt_a, eq_a = (key_a > thr) & in_a, (key_a == thr) & in_a
-        gt_b, eq_b = (key_b > thr) & in_b, (key_b == thr) & in_b
-        ties = k - tl.sum(gt_a.to(tl.int32), 0) - tl.sum(gt_b.to(tl.int32), 0)
-        n_eq_a = tl.sum(eq_a.to(tl.int32), 0)
-        if n_eq_a + tl.sum(eq_b.to(tl.int32), 0) <= ties:
-            take_a = gt_a | eq_a
-            take_b = gt_b | eq_b
-        else:
-            take_a = gt_a | (eq_a & (tl.cumsum(eq_a.to(tl.int32), 0) <= ties))
-            take_b = gt_b | (eq_b & (n_eq_a + tl.cumsum(eq_b.to(tl.int32), 0) <= ties))
-    tl.store(out_row + tl.cumsum(take_a.to(tl.int32), 0) - 1, offs_a.to(tl.int32), mask=take_a)
-    first_b = tl.sum(take_a.to(tl.int32), 0)
-    tl.store(out_row + first_b + tl.cumsum(take_b.to(tl.int32), 0) - 1, offs_b.to(tl.int32), mask=take_b)
+        # One scan a part counts both the blocks above thr (low 16 bits) and its ties (high 16 bits); block i is
+        # taken if above, or a tie within the first `ties`, and lands after the blocks taken before it.
+        both_a = _above_and_ties(key_a, in_a, thr)
+        both_b = _above_and_ties(key_b, in_b, thr)
+        total_a = tl.sum(both_a, 0)
+        ties = k - ((total_a & 0xFFFF) + (tl.sum(both_b, 0) & 0xFFFF)).to(tl.int32)
+        _store_taken(out_row, key_a, in_a, offs_a, tl.cumsum(both_a, 0), thr, ties)
+        _store_taken(out_row, key_b, in_b, offs_b, total_a + tl.cumsum(both_b, 0), thr, ties)
     offs_w = tl.arange(0, W_PAD)
     tl.store(out_row + offs_w, tl.full([W_PAD], -1, tl.int32), mask=(offs_w >= k) & (offs_w < width))
+
+
+@triton.jit
+def _above_and_ties(key, inside, thr):
+    """Per block: 1 if above thr, 1 << 16 if equal to it (uint32: a row's counts fit 16 bits each)."""
+    return ((key > thr) & inside).to(tl.uint32) + (((key == thr) & inside).to(tl.uint32) << 16)
+
+
+@triton.jit
+def _store_taken(out_row, key, inside, offs, counts, thr, ties):
+    """Store the taken blocks of one part; counts: the inclusive scan of _above_and_ties over the row so far."""
+    above = (counts & 0xFFFF).to(tl.int32)
+    tied = (counts >> 16).to(tl.int32)
+    take = ((key > thr) | ((key == thr) & (tied <= ties))) & inside
+    tl.store(out_row + above + tl.minimum(tied, ties) - 1, offs.to(tl.int32), mask=take)
 
 
 @triton.jit
 def _block_topk_resident_kernel(
     Scores, Length, Out, Hist, n_blocks_cap, width, ratio_num, ratio_den, min_blocks, n_kv_heads,
     BLOCK: tl.constexpr, NB_MAIN: tl.constexpr, NB_REST: tl.constexpr, W_PAD: tl.constexpr, HIST: tl.constexpr,
-    PDL: tl.constexpr,
+    SHIFT: tl.constexpr, BASE: tl.constexpr, BINNED: tl.constexpr, PDL: tl.constexpr,
 ):
     """_block_topk_kernel for up to NB_MAIN + NB_REST blocks: the scores are loaded once and searched in
     registers, as two power-of-two parts (16,389 blocks are 16,384 + 16 rather than 32,768)."""
     grid_dependency_wait(PDL)
     pid_bh, n_blocks, k, offs_a, in_a, key_a, offs_b, in_b, key_b = _resident_row(
         Scores, Length, n_blocks_cap, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK, NB_MAIN, NB_REST)
-    lo, hi, count = _bracket(Hist, pid_bh, n_blocks, k, key_a, in_a, key_b, in_b, HIST)
+    if BINNED:
+        key_a = _bin_of(key_a, SHIFT, BASE)
+        key_b = _bin_of(key_b, SHIFT, BASE)
+    lo, hi, count = _bracket(Hist, pid_bh, n_blocks, k, key_a, in_a, key_b, in_b, HIST, SHIFT, BASE, BINNED)
     thr, exact, _ = _resident_search(key_a, in_a, key_b, in_b, k, lo, hi, count, False)
     _resident_store(Out + pid_bh * width, key_a, in_a, offs_a, key_b, in_b, offs_b, thr, exact, k, width, W_PAD)
 
 
 @triton.jit
-def _bracket(Hist, pid_bh, n_blocks, k, key_a, in_a, key_b, in_b, HIST: tl.constexpr):
+def _bracket(Hist, pid_bh, n_blocks, k, key_a, in_a, key_b, in_b, HIST: tl.constexpr, SHIFT: tl.constexpr,
+             BASE: tl.constexpr, BINNED: tl.constexpr):
     """The search's start (lo, hi, count): the histogram's bin where it is usable, else the keys' range."""
     count = tl.full([], -1, tl.int32)
     if HIST:
-        usable, lo, hi, exact = _hist_bracket(Hist, pid_bh, n_blocks, k)
+        usable, lo, hi, exact = _hist_bracket(Hist, pid_bh, n_blocks, k, SHIFT, BASE, BINNED)
         if usable:
             count = tl.where(exact, k.to(tl.int32), count)
         else:

@@ -29,19 +29,23 @@ def _triton_impl():
 
 def append_kv(keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
               position: torch.Tensor, *, descriptors: tuple | None = None, length: torch.Tensor | None = None,
-              block_size: int = 16, fold_mean: bool = False) -> None:
+              block_size: int = 16, fold_mean: bool = False, descriptor_scale: torch.Tensor | None = None) -> None:
     """keys: [B, Hkv, S, D], values: [B, Hkv, S, Dv] (any strides with a contiguous last dimension);
     key_states: [B, Hkv, T, D], value_states: [B, Hkv, T, Dv]; position: [T] int64 (device), the rows written.
 
     descriptors: (kmax, kmin, kmean or None), each [B, Hkv, ceil(S / block_size), D] in keys' dtype, refreshed
     for the block of key `length[b] - 1` (length: [B] int64, the valid keys after the write); T must be 1.
     fold_mean: the descriptors hold max + mean and min + mean (kernels/block_descriptors), kmean None.
+    descriptor_scale: [B, Hkv, ceil(S / block_size)] fp32 with int8 kmax and kmin (kernels/block_descriptors'
+    scale), kmean None.
     """
     if descriptors is not None and (length is None or key_states.shape[2] != 1):
         raise ValueError(f"expected one new token and a length with descriptors, got {key_states.shape[2]} tokens"
                          f"{'' if length is not None else ' and no length'}")
     if fold_mean and (descriptors is None or descriptors[2] is not None):
         raise ValueError("fold_mean writes the mean into kmax and kmin: expected descriptors (kmax, kmin, None)")
+    if descriptor_scale is not None and (descriptors is None or descriptors[2] is not None):
+        raise ValueError("int8 descriptors (descriptor_scale) need descriptors (kmax, kmin, None)")
     impl = (_triton_impl() if keys.is_cuda else None) or append_kv_reference
     impl(keys, values, key_states, value_states, position, descriptors=descriptors, length=length,
-         block_size=block_size, fold_mean=fold_mean)
+         block_size=block_size, fold_mean=fold_mean, descriptor_scale=descriptor_scale)

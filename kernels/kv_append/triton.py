@@ -9,17 +9,18 @@ import triton
 import triton.language as tl
 
 from kernels._gdc import grid_dependency_wait, use_pdl
-from kernels.block_descriptors.triton import store_block_descriptors
+from kernels.block_descriptors.triton import check_descriptors, store_block_descriptors
 from kernels._triton_common import check_device, launch_context
 
 
 @triton.jit
 def _append_kv_kernel(
-    K, V, KNew, VNew, Pos, Kmax, Kmin, Kmean, Length, n_kv_heads,
+    K, V, KNew, VNew, Pos, Kmax, Kmin, Kmean, Scale, Length, n_kv_heads,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_nb, stride_nh, stride_nt, stride_wb, stride_wh, stride_wt, stride_db, stride_dh, stride_dn,
+    stride_sb, stride_sh,
     D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr,
-    DESCRIBE: tl.constexpr, MEAN: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr,
+    DESCRIBE: tl.constexpr, MEAN: tl.constexpr, FOLD: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
 ):
     grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0)
@@ -48,12 +49,14 @@ def _append_kv_kernel(
                        mask=(valid & ~new)[:, None] & in_d[None, :], other=0.0)
         rows = tl.where(new[:, None], k.to(rows.dtype)[None, :], rows)
         store_block_descriptors(Kmax, Kmin, Kmean, b * stride_db + h * stride_dh + blk * stride_dn + offs_d, rows,
-                                valid, tl.minimum(length - blk * BLOCK, BLOCK), in_d, MEAN, FOLD)
+                                valid, tl.minimum(length - blk * BLOCK, BLOCK), in_d, MEAN, FOLD,
+                                Scale + b * stride_sb + h * stride_sh + blk, blk >= 0, QUANT)
 
 
 def append_kv_triton(keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                      position: torch.Tensor, *, descriptors: tuple | None = None, length: torch.Tensor | None = None,
-                     block_size: int = 16, fold_mean: bool = False) -> None:
+                     block_size: int = 16, fold_mean: bool = False,
+                     descriptor_scale: torch.Tensor | None = None) -> None:
     """Same contract as reference.append_kv; CUDA-graph capturable."""
     if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
         raise ValueError(f"expected keys [B, Hkv, S, D] and values [B, Hkv, S, Dv], got {tuple(keys.shape)} and "
@@ -69,12 +72,9 @@ def append_kv_triton(keys: torch.Tensor, values: torch.Tensor, key_states: torch
     described = ()
     if descriptors is not None:
         kmax, kmin, kmean = descriptors
-        nb = triton.cdiv(S, block_size)
         described = (("kmax", kmax), ("kmin", kmin)) + ((("kmean", kmean),) if kmean is not None else ())
-        for name, t in described:
-            if t.shape != (B, H, nb, D) or t.dtype != keys.dtype or t.stride() != kmax.stride():
-                raise ValueError(f"expected {name} of shape [{B}, {H}, {nb}, {D}] {keys.dtype}, strided like kmax, "
-                                 f"got {tuple(t.shape)} {t.dtype}")
+        check_descriptors(described, descriptor_scale, keys, block_size)
+        described += (("descriptor_scale", descriptor_scale),) if descriptor_scale is not None else ()
         if length is None or length.shape != (B,):
             raise ValueError(f"expected length of shape [{B}], got {None if length is None else tuple(length.shape)}")
         if block_size & (block_size - 1):
@@ -89,12 +89,15 @@ def append_kv_triton(keys: torch.Tensor, values: torch.Tensor, key_states: torch
     with launch_context(keys.device):
         _append_kv_kernel[(B * H, T)](
             keys, values, key_states, value_states, position, kmax, kmin, kmax if kmean is None else kmean,
-            length if length is not None else position, H,
+            position if descriptor_scale is None else descriptor_scale, length if length is not None else position, H,
             keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
             key_states.stride(0), key_states.stride(1), key_states.stride(2),
             value_states.stride(0), value_states.stride(1), value_states.stride(2),
             kmax.stride(0), kmax.stride(1), kmax.stride(2),
+            0 if descriptor_scale is None else descriptor_scale.stride(0),
+            0 if descriptor_scale is None else descriptor_scale.stride(1),
             D=D, DV=DV, D_PAD=triton.next_power_of_2(D), DV_PAD=triton.next_power_of_2(DV), BLOCK=block_size,
-            DESCRIBE=descriptors is not None, MEAN=kmean is not None, FOLD=fold_mean, PDL=pdl, launch_pdl=pdl,
+            DESCRIBE=descriptors is not None, MEAN=kmean is not None, FOLD=fold_mean,
+            QUANT=descriptor_scale is not None, PDL=pdl, launch_pdl=pdl,
             num_warps=4 if descriptors is not None and block_size * D >= 4096 else (2 if descriptors else 1),
         )
