@@ -404,27 +404,6 @@ def _problem(B, group, L, D, dtype, S=None):
     return [t.to(DEVICE) for t in (q, keys, values, kmax, kmin)] + [torch.tensor(lengths, device=DEVICE)]
 
 
-@pytest.mark.parametrize("n_new", [1, 33], ids=lambda n: f"new{n}")
-@pytest.mark.parametrize("D", [64, 128], ids=lambda d: f"D{d}")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
-@pytest.mark.triton
-def test_descriptors_triton_folded(dtype, D, n_new):
-    """fold_mean: max + mean and min + mean, summed in fp32 and rounded once, as the reference does."""
-    from kernels.block_descriptors.triton import update_block_descriptors_triton
-
-    _supported(dtype)
-    L = 1000
-    keys = _keys(1, 4, L + 40, D, [L], dtype=dtype, device=DEVICE)
-    upper, lower = _descriptors(keys.cpu(), [L - n_new])
-    got_upper, got_lower = upper.to(DEVICE), lower.to(DEVICE)
-    update_block_descriptors_triton(keys, got_upper, got_lower, torch.tensor([L], device=DEVICE), n_new, BS,
-                                    fold_mean=True)
-    update_ref(keys.cpu(), upper, lower, torch.tensor([L]), n_new, BS, fold_mean=True)
-    tol = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
-    torch.testing.assert_close(got_upper.cpu(), upper, equal_nan=True, **tol)
-    torch.testing.assert_close(got_lower.cpu(), lower, equal_nan=True, **tol)
-
-
 @pytest.mark.parametrize("pooling", ["mean", "softmax", "mean+centroid", "softmax+centroid", "mean+folded",
                                      "softmax+folded"])
 @pytest.mark.parametrize("L", [1, 17, 1000, 4097, 32768], ids=lambda n: f"L{n}")
@@ -520,26 +499,36 @@ def _int8(keys, lengths):
     return hi, lo, scale
 
 
+@pytest.mark.parametrize("form", ["folded", "int8"])
 @pytest.mark.parametrize("n_new", [1, 33], ids=lambda n: f"new{n}")
 @pytest.mark.parametrize("D", [64, 128], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
 @pytest.mark.triton
-def test_descriptors_triton_int8(dtype, D, n_new):
-    """int8 codes of the folded descriptors: a step apart at most where the fp32 sums round differently."""
+def test_descriptors_triton_folded(dtype, D, n_new, form):
+    """fold_mean: max + mean and min + mean, summed in fp32 and rounded once, as the reference does; in int8,
+    codes a step apart at most where the fp32 sums round differently, and their scales."""
     from kernels.block_descriptors.triton import update_block_descriptors_triton
 
     _supported(dtype)
     L = 1000
     keys = _keys(1, 4, L + 40, D, [L], dtype=dtype, device=DEVICE)
-    hi, lo, scale = _int8(keys, [L - n_new])
-    got = [t.to(DEVICE) for t in (hi, lo, scale)]
+    if form == "int8":
+        want = _int8(keys, [L - n_new])
+    else:
+        want = (*_descriptors(keys.cpu(), [L - n_new]), None)
+    got = [None if t is None else t.to(DEVICE) for t in want]
     update_block_descriptors_triton(keys, got[0], got[1], torch.tensor([L], device=DEVICE), n_new, BS,
                                     fold_mean=True, scale=got[2])
-    update_ref(keys.cpu(), hi, lo, torch.tensor([L]), n_new, BS, fold_mean=True, scale=scale)
-    for a, b in ((got[0], hi), (got[1], lo)):
-        diff = a.cpu().int() - b.int()
-        assert diff.abs().max() <= 1 and (diff != 0).float().mean() < 0.05
-    torch.testing.assert_close(got[2].cpu(), scale, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=0)
+    update_ref(keys.cpu(), *want[:2], torch.tensor([L]), n_new, BS, fold_mean=True, scale=want[2])
+    if form == "int8":
+        for a, b in zip(got[:2], want[:2]):
+            diff = a.cpu().int() - b.int()
+            assert diff.abs().max() <= 1 and (diff != 0).float().mean() < 0.05
+        torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=0)
+        return
+    tol = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a.cpu(), b, equal_nan=True, **tol)
 
 
 @pytest.mark.parametrize("pooling", ["mean", "softmax"])
