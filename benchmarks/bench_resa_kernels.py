@@ -38,26 +38,28 @@ LENGTHS = [32768, 131072, 262144]
 BLOCK, RECTIFY = 16, 32
 
 
-def bench(shape: str, length: int, rule: KeepRule) -> dict:
+def bench(shape: str, length: int, rule: KeepRule, int8: bool = False) -> dict:
     Hq, Hkv, D = SHAPES[shape]
     opts = dict(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(1, Hq, D, **opts)
     k = torch.randn(1, Hkv, length, D, **opts)
     v = torch.randn(1, Hkv, length, D, **opts)
     n_blocks = triton.cdiv(length, BLOCK)
-    kmax = torch.empty(1, Hkv, n_blocks, D, **opts)
+    # As the engine keeps them: with the centroid, max + mean and min + mean (two descriptors, not three); with
+    # int8, codes of a scale per block and head (the shipped profile's descriptor_dtype).
+    kmax = torch.empty(1, Hkv, n_blocks, D, device="cuda", dtype=torch.int8 if int8 else torch.bfloat16)
     kmin = torch.empty_like(kmax)
-    # As the engine keeps them: with the centroid, max + mean and min + mean (two descriptors, not three).
+    kscale = torch.empty(1, Hkv, n_blocks, device="cuda") if int8 else None
     fold = rule.centroid
     n = torch.tensor([length], device="cuda")
-    update_block_descriptors(k, kmax, kmin, n, length, BLOCK, fold_mean=fold)
+    update_block_descriptors(k, kmax, kmin, n, length, BLOCK, fold_mean=fold, scale=kscale)
     width = rule.keep(n_blocks)
     scale = D**-0.5
     histogram = new_histogram(1, Hkv, "cuda")  # as the engine calls it
 
     def select():
         return select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale, folded=fold,
-                             histogram=histogram)
+                             histogram=histogram, descriptor_scale=kscale)
 
     blocks = select()
     q_rect = torch.randn(1, Hq, RECTIFY, D, **opts)
@@ -70,20 +72,21 @@ def bench(shape: str, length: int, rule: KeepRule) -> dict:
     def kv_write_separate():
         k.index_copy_(2, last, k_new)
         v.index_copy_(2, last, v_new)
-        update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, fold_mean=fold)
+        update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, fold_mean=fold, scale=kscale)
 
     def estimation():
-        update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, fold_mean=fold)
+        update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, fold_mean=fold, scale=kscale)
         select()
 
     fns = {
         "dense_attention": lambda: decode_attention(q, k, v, n, scale=scale),
         "estimation": estimation,
-        "descriptor_update": lambda: update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, fold_mean=fold),
+        "descriptor_update": lambda: update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, fold_mean=fold, scale=kscale),
         "select": select,
         "kv_write_and_descriptors_separate": kv_write_separate,
         "kv_write_and_descriptors_fused": lambda: append_kv(k, v, k_new, v_new, last, descriptors=(kmax, kmin, None),
-                                                            length=n, block_size=BLOCK, fold_mean=fold),
+                                                            length=n, block_size=BLOCK, fold_mean=fold,
+                                                            descriptor_scale=kscale),
         "sparse_attention": lambda: sparse_decode_attention(q, k, v, blocks, n, block_size=BLOCK, scale=scale),
         "rectify_attention_triton": lambda: decode_attention(q_rect, k, v, n, scale=scale),
         "rectify_attention_sdpa": lambda: F.scaled_dot_product_attention(
@@ -94,7 +97,7 @@ def bench(shape: str, length: int, rule: KeepRule) -> dict:
     resa = ms["estimation"] + ms["sparse_attention"]
     rectify = min(ms["rectify_attention_triton"], ms["rectify_attention_sdpa"]) / RECTIFY
     kv_bytes = 2 * Hkv * length * D * 2
-    return {"shape": shape, "Hq": Hq, "Hkv": Hkv, "D": D, "length": length, "kept_blocks": width,
+    return {"shape": shape, "Hq": Hq, "Hkv": Hkv, "D": D, "length": length, "kept_blocks": width, "int8": int8,
             "n_blocks": n_blocks, "ms": ms, "estimation_plus_sparse_ms": resa,
             "rectification_amortised_ms": rectify,
             "speedup_estimation_plus_sparse_vs_dense": ms["dense_attention"] / resa,
@@ -223,6 +226,8 @@ def main() -> None:
     parser.add_argument("--pooling", default="mean", choices=("mean", "softmax"))
     parser.add_argument("--centroid", action="store_true",
                         help="the block mean key folded into max and min, as resa.yaml's rule keeps it")
+    parser.add_argument("--int8", action="store_true",
+                        help="int8 descriptors with a scale per block and head (resa.yaml's descriptor_dtype)")
     parser.add_argument("--sweep-sparse", action="store_true", help="only sweep the sparse kernel's tiling")
     parser.add_argument("--sweep-select", action="store_true", help="only sweep the selection's tiling and search")
     parser.add_argument("--sweep-rectify", action="store_true", help="only sweep the rectification kernel's rows")
@@ -256,12 +261,13 @@ def main() -> None:
     print(f"{'shape':<13} {'length':>7} " + " ".join(f"{c[:16]:>16}" for c in cols) + "  speedup", flush=True)
     for shape in SHAPES:
         for length in map(int, args.lengths.split(",")):
-            r = bench(shape, length, rule)
+            r = bench(shape, length, rule, args.int8)
             rows.append(r)
             print(f"{shape:<13} {length:>7} " + " ".join(f"{r['ms'][c]:16.4f}" for c in cols)
                   + f"  {r['speedup_estimation_plus_sparse_vs_dense']:.2f}x", flush=True)
             torch.cuda.empty_cache()
     result = {**meta, "keep_ratio": args.keep_ratio, "pooling": args.pooling, "centroid": args.centroid,
+              "int8_descriptors": args.int8,
               "sink_blocks": 1, "block_size": BLOCK, "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
