@@ -29,6 +29,23 @@ TRITON_DEVICE = "cuda" if CUDA else "cpu"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "triton: a Triton kernel test (CUDA, or TRITON_INTERPRET=1 on CPU)")
+    if INTERPRETER:
+        _interpreter_reads_one_element_indices()
+
+
+def _interpreter_reads_one_element_indices() -> None:
+    """Triton's interpreter turns a scalar used as an index (a loop bound read from memory) into an int with
+    int() on a one-element array, which NumPy 2 refuses; read its element instead."""
+    import numpy as np
+    import triton.runtime.interpreter as interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
 
 
 def pytest_collection_modifyitems(config, items):

@@ -863,14 +863,13 @@ def test_select_triton_resident_past_256k_tokens(pooling):
 
 
 @pytest.mark.parametrize("pooling", ["mean", "softmax"])
-@pytest.mark.gpu
+@pytest.mark.triton
 def test_select_triton_multipass_equals_resident(monkeypatch, pooling):
     """The multipass top-k (rows past the resident limit) selects what the register-resident one does, with and
-    without the histogram, exact (mean pooling) and by bins (softmax): here with the limit lowered. (GPU only:
-    Triton's interpreter cannot run the multipass kernel's loops over a loaded length.)"""
+    without the histogram, exact (mean pooling) and by bins (softmax): here with the limit lowered."""
     import kernels.block_select.triton as triton_select
 
-    q, _, _, kmax, kmin, length = _problem(2, 4, 3000, 64, torch.bfloat16)
+    q, _, _, kmax, kmin, length = _problem(2, 4, 3000, 64, torch.float32 if DEVICE == "cpu" else torch.bfloat16)
     rule = KeepRule(0.1, 16, 1, 1, pooling=pooling)
     args = dict(block_size=BS, rule=rule, width=rule.keep(kmax.shape[2]) + 2, scale=64**-0.5)
     resident = triton_select.select_blocks_triton(q, kmax, kmin, length, **args)
