@@ -244,7 +244,7 @@ class ResaEngine(Engine):
     reusable = True
 
     @property
-    def _DESCRIPTORS(self) -> tuple[str, ...]:
+    def _descriptor_names(self) -> tuple[str, ...]:
         return ("kmax", "kmin", "kscale") if self.config.descriptor_dtype == "int8" else ("kmax", "kmin")
 
     def state_inputs(self, n_tokens: int, reserve: int) -> dict:
@@ -262,7 +262,7 @@ class ResaEngine(Engine):
         the answer write only there (their K/V land past the document, which the base checkpoint covers)."""
         first = state.n_tokens // self.config.block_size
         saved = [(layer, name, getattr(layer, name)[:, :, first:].clone())
-                 for _, layer in self._descriptor_layers(state.cache) for name in self._DESCRIPTORS]
+                 for _, layer in self._descriptor_layers(state.cache) for name in self._descriptor_names]
         return state.position, first, saved
 
     @torch.inference_mode()
@@ -276,7 +276,7 @@ class ResaEngine(Engine):
         tensors, meta = super().export_state(state)
         used = cdiv(state.n_tokens, self.config.block_size)
         for i, layer in self._descriptor_layers(state.cache):
-            for name in self._DESCRIPTORS:
+            for name in self._descriptor_names:
                 tensors[f"layers.{i}.{name}"] = getattr(layer, name)[:, :, :used]
         return tensors, meta
 
@@ -285,7 +285,7 @@ class ResaEngine(Engine):
         state = super().import_state(tensors, meta, reserve)
         used = cdiv(state.n_tokens, self.config.block_size)
         for i, layer in self._descriptor_layers(state.cache):
-            for name in self._DESCRIPTORS:
+            for name in self._descriptor_names:
                 getattr(layer, name)[:, :, :used] = tensors[f"layers.{i}.{name}"]
         return state
 

@@ -39,7 +39,9 @@ def _interpreter_reads_one_element_indices() -> None:
     import numpy as np
     import triton.runtime.interpreter as interpreter
 
-    patch = interpreter._patch_lang_tensor
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None:  # another Triton: its interpreter is taken as it is
+        return
 
     def patched(tensor, scope):
         patch(tensor, scope)
