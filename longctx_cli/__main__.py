@@ -1,3 +1,3 @@
-from longctx_cli.entry import main
+from longctx_cli.entry import run
 
-main()
+run()

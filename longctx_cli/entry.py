@@ -16,6 +16,28 @@ from longctx_cli.errors import (EXIT_INTERRUPTED, EXIT_PIPE, EXIT_TERMINATED, In
 from longctx_cli.options import DEBUG, err
 
 
+def run() -> None:
+    """The process's entry point (the `longctx` script and `python -m longctx_cli`): `main`, and an interrupted run
+    ends with its own code. CPython 3.11 marks a KeyboardInterrupt that leaves code run by exec() on a string
+    (dataclasses build their methods that way, so a Ctrl-C during an import often lands there) as unhandled even
+    once it is handled, and then ends the process by SIGINT (-2) after finalization instead of with 130. So an
+    interrupted process runs its exit handlers, flushes and ends itself."""
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code not in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+            raise
+        import atexit
+
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(exc.code)
+
+
 def main() -> None:
     # The interpreter's start and the command modules' imports, up to here.
     CLOCK.add("startup", time.time() - CLOCK.mark)

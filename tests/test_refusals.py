@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import string
+import sys
 from pathlib import Path
 
 import pytest
@@ -284,6 +285,36 @@ def test_interrupted_prefill_says_how_far_it_got(capsys, monkeypatch):
     code, out, err = run_cli(["ask", str(SAMPLE), "Who?", "-n", "4"], capsys, monkeypatch)
     assert code == 130 and out == ""
     assert "interrupted after 512 of" in err and err.rstrip().endswith("interrupted")
+
+
+_MARKED = """
+import atexit, ctypes, sys
+from longctx_cli import entry
+
+def interrupted():
+    # What a Ctrl-C inside exec() of a string (a dataclass being built during an import) leaves behind in 3.11.
+    ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt").value = 1
+    print("partial answer", end="")
+    sys.exit(int(sys.argv[1]))
+
+atexit.register(lambda: print("exit handlers ran", file=sys.stderr))
+entry.main = interrupted
+entry.run()
+"""
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="the interpreter keeps this mark elsewhere from 3.12")
+@pytest.mark.parametrize("code", [130, 143])
+def test_an_interrupted_process_ends_with_its_own_code(tmp_path, code):
+    """An interrupted process exits 130 (143), its partial output and exit handlers flushed, even when CPython
+    has marked a KeyboardInterrupt as unhandled (it would otherwise end the process by SIGINT, -2)."""
+    import subprocess
+
+    (tmp_path / "marked_main.py").write_text(_MARKED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).parent.parent)])}
+    done = subprocess.run([sys.executable, "-m", "marked_main", str(code)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (code, "partial answer", "exit handlers ran\n")
 
 
 @pytest.mark.slow

@@ -273,12 +273,20 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "longctx_cli", "ask", str(doc), "Who?", "--profile", "star",
                              "--set", "blocks=2", "--set", "min_block_size=64", "--device", "cpu", "--gpus", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(8)
+    # Once both ranks run (three processes read the document), give them a moment into loading or prefill.
+    deadline = time.time() + 90
+    while len(_readers(doc)) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
-    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count(str(doc))]
-    assert not left
+    assert not _readers(doc)
+
+
+def _readers(doc: Path) -> list[Path]:
+    """The processes whose command line names `doc`."""
+    return [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(doc) in _cmdline(p)]
 
 
 def _cmdline(proc: Path) -> str:
