@@ -6,6 +6,15 @@ Per chunk size: a warm-up prefill (compilation, kernel plans), a timed one, one 
 kernel times against the wall: what the device was busy for) and, with --python, one under cProfile (which
 Python functions the host spends the rest in; waits for the device show up in the function that copies to the
 host). Host-bound engines are those whose kernel sum is far below the wall.
+
+`--census` counts instead, per decoder layer and chunk, the ATen operators the prefill dispatches (on a GPU each is
+a launch, or host work of the same order: ~30 us of host time a small operation on these machines), by the code
+that issued them, and the calls that wait for the device (.tolist(), .item(), .cpu(), ...). A kernel of kernels/
+counts as one call whatever its CPU reference dispatches. It runs on CPU as well, on a preset cut to a few layers
+(`--layers 2 --intermediate 256`: the counts per layer do not depend on the depth or the MLP's width):
+
+    python benchmarks/profile_prefill.py --device cpu --profile ltri-stream --length 16k --chunks 512 \
+        --census --layers 2 --intermediate 256
 """
 
 from __future__ import annotations
@@ -14,16 +23,22 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
+import sys
 import time
+from collections import Counter
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engines import ENGINES
 from longctx_cli.home import longctx_home
 from longctx_cli.models import load_model
 from longctx_cli.options import profile_from_flags
+from longctx_cli.presets import RANDOM_PRESETS
 from longctx_cli.report import run_stamp
 from longctx_cli.units import parse_count
 
@@ -47,6 +62,92 @@ def _python_top(run, rows: int) -> list[dict]:
     return sorted(out, key=lambda r: -r["self_s"])[:rows]
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Operators that only describe a tensor (no kernel, little host time).
+_METADATA = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
+             "squeeze", "as_strided", "alias", "detach", "unbind", "split", "split_with_sizes", "chunk", "narrow",
+             "diagonal", "flatten", "reshape", "_reshape_alias", "lift_fresh", "view_as_real", "numel", "sym_size",
+             "sym_stride", "sym_numel", "sym_storage_offset", "is_pinned", "empty_strided", "empty", "dim"}
+# Tensor methods that bring values to the host: on a GPU, a wait for every launch before them.
+_WAITS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
+
+
+def _site(frame) -> str:
+    """Who issued an operator: the innermost kernels/<op> dispatch on the stack (one launch on a GPU), else the
+    innermost frame of this repository outside kernels/, else of transformers' model code."""
+    first = model = None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_ROOT) and "/site-packages/" not in path and "/benchmarks/" not in path:
+            rel = path[len(_ROOT) + 1:]
+            if rel.startswith("kernels/") and rel.endswith("__init__.py"):
+                return f"kernel {rel.split('/')[1]}.{frame.f_code.co_name}"
+            if first is None and not rel.startswith("kernels/"):
+                first = f"{rel}:{frame.f_code.co_name}"
+        elif model is None and "/transformers/" in path:
+            model = f"transformers/{path.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return first or model or "other"
+
+
+class _Census(TorchDispatchMode):
+    """Counts dispatched operators by site: launches, metadata-only ones, and kernel calls (once each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.meta, self.kernels = Counter(), Counter(), Counter()
+        self._last_kernel_frame = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)
+        site = _site(frame)
+        name = func.overloadpacket.__name__
+        if site.startswith("kernel "):
+            # One launch per call of the dispatch function: count the call the first time one of its operators
+            # is seen (its frame object identifies the call).
+            outer = frame
+            while outer is not None and not (outer.f_code.co_filename.endswith("__init__.py")
+                                             and "/kernels/" in outer.f_code.co_filename):
+                outer = outer.f_back
+            if outer is not self._last_kernel_frame:
+                self._last_kernel_frame = outer
+                self.kernels[site] += 1
+        elif name in _METADATA:
+            self.meta[site] += 1
+        else:
+            self.ops[f"{site} [{name}]"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Waits(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.waits = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _WAITS or (name == "to" and any(str(a) == "cpu" for a in (*args[1:], *(kwargs or {}).values()))):
+            site = _site(sys._getframe(1))
+            if not site.startswith("kernel "):  # a CPU reference's own; the CUDA launchers do not wait
+                self.waits[f"{site} [{name}]"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _census(run, per: int, rows: int) -> dict:
+    census, waits = _Census(), _Waits()
+    with waits, census:
+        run()
+
+    def table(counter: Counter) -> list[dict]:
+        return [{"site": k, "per_layer_chunk": round(v / per, 2)} for k, v in counter.most_common(rows)]
+    return {"operators_per_layer_chunk": round(sum(census.ops.values()) / per, 1),
+            "kernel_calls_per_layer_chunk": round(sum(census.kernels.values()) / per, 1),
+            "metadata_ops_per_layer_chunk": round(sum(census.meta.values()) / per, 1),
+            "waits_per_layer_chunk": round(sum(waits.waits.values()) / per, 2),
+            "operators": table(census.ops), "kernels": table(census.kernels), "waits": table(waits.waits),
+            "metadata": table(census.meta)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama-3.1-8b")
@@ -58,7 +159,21 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--census", action="store_true", help="count operators and waits per layer and chunk instead "
+                    "of timing under the profiler")
+    ap.add_argument("--layers", type=int, default=None, help="a random preset cut to this many layers")
+    ap.add_argument("--intermediate", type=int, default=None, help="a random preset's MLP width")
     args = ap.parse_args()
+    if args.census and any(s.replace(" ", "") == "compile_prefill=true" for s in args.set):
+        ap.error("--census cannot see inside compiled code (torch.compile runs eagerly under its dispatch mode)")
+    if args.layers or args.intermediate:
+        if not args.model.startswith("random:"):
+            ap.error("--layers and --intermediate change random presets only")
+        shape = RANDOM_PRESETS[args.model[7:]]
+        shape.update({k: v for k, v in (("num_hidden_layers", args.layers), ("intermediate_size", args.intermediate))
+                      if v})
+        if "layer_types" in shape:
+            shape["layer_types"] = shape["layer_types"][:shape["num_hidden_layers"]]
     lm = load_model(args.model, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32")
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     n = parse_count(args.length)
@@ -72,17 +187,30 @@ def main() -> None:
             engine.prefill(ids, reserve=16)
             sync()
         t = time.perf_counter()
-        run()  # warm-up: compilation, kernel plans for every chunk's shapes
+        if not (args.census and args.device == "cpu"):
+            run()  # warm-up: compilation, kernel plans for every chunk's shapes
         first = time.perf_counter() - t
+        row = {"profile": args.profile, "settings": args.set, "chunk_size": chunk, "tokens": n,
+               "first_prefill_s": round(first, 3)}
+        if args.census:
+            row["census"] = c = _census(run, lm.model.config.get_text_config(decoder=True).num_hidden_layers
+                                        * -(-n // chunk), args.rows)
+            print(f"{args.profile} chunk {chunk}: per layer and chunk {c['operators_per_layer_chunk']} operators, "
+                  f"{c['kernel_calls_per_layer_chunk']} kernel calls, {c['waits_per_layer_chunk']} waits "
+                  f"({c['metadata_ops_per_layer_chunk']} metadata operators)", flush=True)
+            for part in ("operators", "kernels", "waits"):
+                for r in c[part]:
+                    print(f"  {part[:-1]:8s} {r['per_layer_chunk']:8.2f}  {r['site']}")
+            results.append(row)
+            continue
         t = time.perf_counter()
         run()
         wall = time.perf_counter() - t
+        row.update({"prefill_s": round(wall, 3), "tokens_per_s": round(n / wall)})
         with profile(activities=[ProfilerActivity.CUDA if args.device == "cuda" else ProfilerActivity.CPU]) as p:
             run()
         kernel_ms, launches, top = _kernels(p, args.rows)
-        row = {"profile": args.profile, "settings": args.set, "chunk_size": chunk, "tokens": n,
-               "prefill_s": round(wall, 3), "tokens_per_s": round(n / wall), "first_prefill_s": round(first, 3),
-               "kernel_s": round(kernel_ms / 1e3, 3), "kernel_launches": launches, "top_kernels": top}
+        row.update({"kernel_s": round(kernel_ms / 1e3, 3), "kernel_launches": launches, "top_kernels": top})
         print(f"{args.profile} chunk {chunk}: prefill {wall:.2f} s ({n / wall:,.0f} tok/s), kernels "
               f"{kernel_ms / 1e3:.2f} s in {launches:,} launches (first prefill {first:.2f} s)", flush=True)
         for k in top[:12]:
@@ -93,7 +221,8 @@ def main() -> None:
                 print(f"  {f['self_s']:8.3f} s self {f['cum_s']:8.3f} s cum {f['calls']:8d}  {f['function']}")
         results.append(row)
         del engine
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if args.json:
         meta = {**run_stamp(), "random_weights": args.model.startswith("random:"), "results": results}
         with open(args.json, "w") as f:

@@ -34,7 +34,8 @@ from longctx_cli.report import RANDOM_NOTE, memory_snapshot, reset_peaks, run_st
 
 err = Console(stderr=True)
 WARMUP_STEPS = 4
-RUN_KEYS_RECORDED = ("chunk_size", "dtype", "decode_graph", "compile_decode", "fuse_projections")  # next to each engine's keys
+# next to each engine's keys
+RUN_KEYS_RECORDED = ("chunk_size", "dtype", "decode_graph", "compile_decode", "fuse_projections", "compile_prefill")
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30) -> float:

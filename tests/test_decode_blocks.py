@@ -134,3 +134,67 @@ def test_fused_and_compiled_decode_error_within_twice_the_eager_steps_error_on_g
     errors = {key: (value - exact).abs().mean().item() for key, value in nll.items()}
     for key in ((True, False), (True, True)):
         assert errors[key] <= 2 * errors[False, False] + 1e-3, f"fuse, compile {key}: {errors}"
+
+
+def test_prefill_chunks_run_through_the_prefill_modules_only_under_compile_prefill(lm, monkeypatch):
+    """compile_prefill swaps its modules (compiled with dynamic=None: the chunk's shape, then dynamic shapes) in
+    for every chunk of the prefill and the question, and puts the model's own back. torch.compile is replaced by
+    a wrapper that counts calls here (a real compilation takes ~50 s on two cores: the long test below)."""
+    import engines.decode_blocks as decode_blocks
+
+    calls, dynamics = [], set()
+
+    class Counted(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            calls.append(type(self.inner).__name__)
+            return self.inner(*args, **kwargs)
+
+    def counting_compile(target, dynamic=False):
+        dynamics.add(dynamic)
+        if isinstance(target, torch.nn.Module):
+            return Counted(target)
+
+        def function(*args, **kwargs):
+            calls.append(target.__name__)
+            return target(*args, **kwargs)
+        return function
+
+    monkeypatch.setattr(decode_blocks.torch, "compile", counting_compile)
+    ids = torch.randint(1000, 20000, (300,), generator=torch.Generator().manual_seed(4))
+    logits = {}
+    for on in (False, True):
+        calls.clear()
+        engine = make_engine(lm, "dense", compile_prefill=on, chunk_size=128)
+        state = engine.prefill(ids, reserve=8)
+        logits[on] = state.last_logits
+        layers = lm.model.get_decoder().layers
+        assert engine.counters(state)["prefill_compiled_blocks"] is on
+        # Three chunks through every layer's MLP (gate and up fused) and rotary; nothing swapped in without the key.
+        assert calls.count("GatedMLP") == (3 * len(layers) if on else 0)
+        assert calls.count("apply_rotary_pos_emb") == (3 * len(layers) if on else 0)
+        engine._encode_question(state, ids[:5], 1)
+        assert calls.count("GatedMLP") == (4 * len(layers) if on else 0)
+        assert not any(isinstance(layer.mlp, Counted) for layer in layers)
+    assert dynamics == {None}
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-4 * logits[False].abs().max().item())
+
+
+@pytest.mark.long
+def test_compiled_prefill_gives_the_eager_prefills_logits(lm):
+    """compile_prefill: every chunk runs through compiled MLPs, norms and rotary (the chunk's shape, then dynamic
+    shapes for a shorter last chunk), with the model's own modules back in place afterwards; the document's last
+    logits are the eager prefill's up to Inductor's rounding (fp32 here)."""
+    ids = torch.randint(1000, 20000, (300,), generator=torch.Generator().manual_seed(4))
+    states = {}
+    for compiled in (False, True):
+        engine = make_engine(lm, "dense", compile_prefill=compiled, chunk_size=128)
+        states[compiled] = engine.prefill(ids, reserve=8)
+        assert engine.counters(states[compiled])["prefill_compiled_blocks"] is compiled
+    assert not any(hasattr(layer.mlp, "_orig_mod") for layer in lm.model.get_decoder().layers)
+    eager, compiled = states[False].last_logits, states[True].last_logits
+    assert eager.argmax() == compiled.argmax()
+    torch.testing.assert_close(compiled, eager, rtol=1e-3, atol=1e-3 * eager.abs().max().item())
