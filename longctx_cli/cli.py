@@ -14,7 +14,7 @@ from longctx_cli.catalog import models_list, profiles_app, states_app
 from longctx_cli.clock import CLOCK
 from longctx_cli.errors import ConfigError, UsageError, clip
 from longctx_cli.options import (DEBUG, ChunkOpt, DeviceOpt, DtypeOpt, GpusModelOpt, GpusOpt, MaxNewOpt, ModelOpt,
-                                 ProfileOpt, SetOpt, profile_from_flags, signals)
+                                 ProfileOpt, SetOpt, profile_from_flags, signals, signals_after)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Ask questions of very long documents.", pretty_exceptions_enable=False)
@@ -116,7 +116,7 @@ def ask(
         opts.profile = profile_from_flags(profile, sets, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
                                           device=device, dtype=dtype, temperature=temperature, top_p=top_p, seed=seed,
                                           gpus_model=gpus_model)
-    with CLOCK.part("imports"):
+    with CLOCK.part("imports"), signals_after():
         from engines import ENGINES  # noqa: F401 - torch and transformers come with it: seconds, counted as such
     opts.quiet = _ranks(opts.profile, gpus, model) or quiet
     code = run_ask(opts)

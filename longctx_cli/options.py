@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import signal
+import threading
 from typing import Annotated, Optional
 
 import typer
@@ -39,6 +42,26 @@ def signals(command):
             raise Interrupted(isinstance(exc, Terminated)) from None
 
     return run
+
+
+@contextlib.contextmanager
+def signals_after():
+    """Ctrl-C and SIGTERM during the block take effect when it ends. For the imports of torch and transformers
+    (seconds): a KeyboardInterrupt raised inside them can pass through a C++ extension's boundary and abort the
+    process (-6), or leave CPython 3.11's mark of an unhandled interrupt (exec() in dataclasses; see entry.run)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: got.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if got:
+        raise Terminated if got[0] == signal.SIGTERM else KeyboardInterrupt
 
 
 def _known_keys(engine: str) -> set[str]:

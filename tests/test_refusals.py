@@ -317,6 +317,28 @@ def test_an_interrupted_process_ends_with_its_own_code(tmp_path, code):
     assert (done.returncode, done.stdout, done.stderr) == (code, "partial answer", "exit handlers ran\n")
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_signals_during_the_heavy_imports_take_effect_after_them(sig):
+    """Ctrl-C or SIGTERM while torch and transformers import is raised once the imports end (inside them it can
+    abort the process through a C++ extension), as KeyboardInterrupt or Terminated; the handlers are put back."""
+    import signal
+    import time
+
+    from longctx_cli.errors import Terminated
+    from longctx_cli.options import signals_after
+
+    number = getattr(signal, sig)
+    before = signal.getsignal(number)
+    finished = False
+    with pytest.raises(Terminated if sig == "SIGTERM" else KeyboardInterrupt) as raised:
+        with signals_after():
+            os.kill(os.getpid(), number)
+            time.sleep(0.05)  # the handler runs here, and raises nothing
+            finished = True
+    assert finished and (sig == "SIGTERM") == isinstance(raised.value, Terminated)
+    assert signal.getsignal(number) is before
+
+
 @pytest.mark.slow
 def test_names_are_text_not_markup_and_failures_print_no_blank_answers(capsys, monkeypatch, tmp_path):
     root = tmp_path / "docs"
