@@ -199,8 +199,10 @@ def bench(
 
     keep_compile_caches(check_home())
     from longctx_cli import distributed
-    from longctx_cli.bench import run_bench
     from longctx_cli.tasks import TASKS
+
+    with signals_after():
+        from longctx_cli.bench import run_bench  # torch, transformers and the engines
 
     task_list = None
     if tasks:
@@ -277,7 +279,8 @@ def plan(
     from longctx_cli.home import check_home, keep_compile_caches
 
     keep_compile_caches(check_home())
-    from longctx_cli.plan import run_plan
+    with signals_after():
+        from longctx_cli.plan import run_plan
 
     prof = profile_from_flags(profile, sets, device=device, dtype=dtype, chunk_size=chunk_size,
                               max_new_tokens=max_new_tokens, gpus_model=gpus_model)
