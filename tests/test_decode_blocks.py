@@ -198,3 +198,28 @@ def test_compiled_prefill_gives_the_eager_prefills_logits(lm):
     eager, compiled = states[False].last_logits, states[True].last_logits
     assert eager.argmax() == compiled.argmax()
     torch.testing.assert_close(compiled, eager, rtol=1e-3, atol=1e-3 * eager.abs().max().item())
+
+
+@pytest.mark.long
+def test_ltri_stream_answers_the_same_with_compiled_prefill(capsys, monkeypatch):
+    """The streaming engine compile_prefill is for: with a window small enough that the story's blocks are stored
+    and retrieved, the answer's tokens and the retrieval are the eager prefill's."""
+    import json
+    from pathlib import Path
+
+    from tests.conftest import run_cli
+
+    story = Path(__file__).parent.parent / "samples" / "lighthouse.txt"
+    small = ["--set", "n_local=512", "--set", "block_size=64", "--set", "top_k=4", "--set", "n_init=64"]
+    runs = {}
+    for on in ("false", "true"):
+        code, out, err = run_cli(["ask", str(story), "What was the name of the schooner?", "-p", "ltri-stream",
+                                  "--chunk-size", "256", "-n", "8", "--json", "--state", "off", *small, "--set",
+                                  f"compile_prefill={on}"], capsys, monkeypatch)
+        assert code == 0, err
+        runs[on] = json.loads(out.strip().splitlines()[-1])
+    eager, compiled = runs["false"], runs["true"]
+    assert compiled["answer_ids"] == eager["answer_ids"] and "Margaret" in compiled["answer"]
+    assert compiled["counters"]["prefill_compiled_blocks"] is True
+    retrieved = "ltri_blocks_retrieved_per_chunk"
+    assert compiled["counters"][retrieved] == eager["counters"][retrieved] > 0
