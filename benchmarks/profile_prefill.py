@@ -63,7 +63,7 @@ def _python_top(run, rows: int) -> list[dict]:
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Operators that only describe a tensor (no kernel, little host time).
+# Operators that launch no kernel (views, shapes, allocations): little host time each.
 _METADATA = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
              "squeeze", "as_strided", "alias", "detach", "unbind", "split", "split_with_sizes", "chunk", "narrow",
              "diagonal", "flatten", "reshape", "_reshape_alias", "lift_fresh", "view_as_real", "numel", "sym_size",
@@ -72,22 +72,23 @@ _METADATA = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "sli
 _WAITS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
 
 
-def _site(frame) -> str:
-    """Who issued an operator: the innermost kernels/<op> dispatch on the stack (one launch on a GPU), else the
-    innermost frame of this repository outside kernels/, else of transformers' model code."""
+def _site(frame) -> tuple[str, object]:
+    """Who issued an operator: the innermost kernels/<op> dispatch on the stack (one launch on a GPU; its frame is
+    returned too, it identifies the call), else the innermost frame of this repository outside kernels/, else of
+    transformers' model code."""
     first = model = None
     while frame is not None:
         path = frame.f_code.co_filename
         if path.startswith(_ROOT) and "/site-packages/" not in path and "/benchmarks/" not in path:
             rel = path[len(_ROOT) + 1:]
             if rel.startswith("kernels/") and rel.endswith("__init__.py"):
-                return f"kernel {rel.split('/')[1]}.{frame.f_code.co_name}"
+                return f"kernel {rel.split('/')[1]}.{frame.f_code.co_name}", frame
             if first is None and not rel.startswith("kernels/"):
                 first = f"{rel}:{frame.f_code.co_name}"
         elif model is None and "/transformers/" in path:
             model = f"transformers/{path.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"
         frame = frame.f_back
-    return first or model or "other"
+    return first or model or "other", None
 
 
 class _Census(TorchDispatchMode):
@@ -99,18 +100,12 @@ class _Census(TorchDispatchMode):
         self._last_kernel_frame = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        frame = sys._getframe(1)
-        site = _site(frame)
+        site, kernel_frame = _site(sys._getframe(1))
         name = func.overloadpacket.__name__
-        if site.startswith("kernel "):
-            # One launch per call of the dispatch function: count the call the first time one of its operators
-            # is seen (its frame object identifies the call).
-            outer = frame
-            while outer is not None and not (outer.f_code.co_filename.endswith("__init__.py")
-                                             and "/kernels/" in outer.f_code.co_filename):
-                outer = outer.f_back
-            if outer is not self._last_kernel_frame:
-                self._last_kernel_frame = outer
+        if kernel_frame is not None:
+            # One launch per call of the dispatch function: counted at the first of its operators.
+            if kernel_frame is not self._last_kernel_frame:
+                self._last_kernel_frame = kernel_frame
                 self.kernels[site] += 1
         elif name in _METADATA:
             self.meta[site] += 1
@@ -127,8 +122,8 @@ class _Waits(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in _WAITS or (name == "to" and any(str(a) == "cpu" for a in (*args[1:], *(kwargs or {}).values()))):
-            site = _site(sys._getframe(1))
-            if not site.startswith("kernel "):  # a CPU reference's own; the CUDA launchers do not wait
+            site, kernel_frame = _site(sys._getframe(1))
+            if kernel_frame is None:  # inside a kernel: a CPU reference's own; the CUDA launchers do not wait
                 self.waits[f"{site} [{name}]"] += 1
         return func(*args, **(kwargs or {}))
 
@@ -186,39 +181,37 @@ def main() -> None:
         def run(engine=engine):
             engine.prefill(ids, reserve=16)
             sync()
-        t = time.perf_counter()
+        row = {"profile": args.profile, "settings": args.set, "chunk_size": chunk, "tokens": n}
         if not (args.census and args.device == "cpu"):
+            t = time.perf_counter()
             run()  # warm-up: compilation, kernel plans for every chunk's shapes
-        first = time.perf_counter() - t
-        row = {"profile": args.profile, "settings": args.set, "chunk_size": chunk, "tokens": n,
-               "first_prefill_s": round(first, 3)}
+            row["first_prefill_s"] = round(time.perf_counter() - t, 3)
         if args.census:
-            row["census"] = c = _census(run, lm.model.config.get_text_config(decoder=True).num_hidden_layers
-                                        * -(-n // chunk), args.rows)
+            row["census"] = c = _census(run, lm.config.num_hidden_layers * -(-n // chunk), args.rows)
             print(f"{args.profile} chunk {chunk}: per layer and chunk {c['operators_per_layer_chunk']} operators, "
                   f"{c['kernel_calls_per_layer_chunk']} kernel calls, {c['waits_per_layer_chunk']} waits "
                   f"({c['metadata_ops_per_layer_chunk']} metadata operators)", flush=True)
             for part in ("operators", "kernels", "waits"):
                 for r in c[part]:
                     print(f"  {part[:-1]:8s} {r['per_layer_chunk']:8.2f}  {r['site']}")
-            results.append(row)
-            continue
-        t = time.perf_counter()
-        run()
-        wall = time.perf_counter() - t
-        row.update({"prefill_s": round(wall, 3), "tokens_per_s": round(n / wall)})
-        with profile(activities=[ProfilerActivity.CUDA if args.device == "cuda" else ProfilerActivity.CPU]) as p:
+        else:
+            t = time.perf_counter()
             run()
-        kernel_ms, launches, top = _kernels(p, args.rows)
-        row.update({"kernel_s": round(kernel_ms / 1e3, 3), "kernel_launches": launches, "top_kernels": top})
-        print(f"{args.profile} chunk {chunk}: prefill {wall:.2f} s ({n / wall:,.0f} tok/s), kernels "
-              f"{kernel_ms / 1e3:.2f} s in {launches:,} launches (first prefill {first:.2f} s)", flush=True)
-        for k in top[:12]:
-            print(f"  {k['ms']:10.1f} ms {k['count']:8d}  {k['kernel']}")
-        if args.python:
-            row["python_top"] = _python_top(run, args.rows)
-            for f in row["python_top"]:
-                print(f"  {f['self_s']:8.3f} s self {f['cum_s']:8.3f} s cum {f['calls']:8d}  {f['function']}")
+            wall = time.perf_counter() - t
+            row.update({"prefill_s": round(wall, 3), "tokens_per_s": round(n / wall)})
+            with profile(activities=[ProfilerActivity.CUDA if args.device == "cuda" else ProfilerActivity.CPU]) as p:
+                run()
+            kernel_ms, launches, top = _kernels(p, args.rows)
+            row.update({"kernel_s": round(kernel_ms / 1e3, 3), "kernel_launches": launches, "top_kernels": top})
+            print(f"{args.profile} chunk {chunk}: prefill {wall:.2f} s ({n / wall:,.0f} tok/s), kernels "
+                  f"{kernel_ms / 1e3:.2f} s in {launches:,} launches (first prefill {row['first_prefill_s']:.2f} s)",
+                  flush=True)
+            for k in top[:12]:
+                print(f"  {k['ms']:10.1f} ms {k['count']:8d}  {k['kernel']}")
+            if args.python:
+                row["python_top"] = _python_top(run, args.rows)
+                for f in row["python_top"]:
+                    print(f"  {f['self_s']:8.3f} s self {f['cum_s']:8.3f} s cum {f['calls']:8d}  {f['function']}")
         results.append(row)
         del engine
         if torch.cuda.is_available():

@@ -30,7 +30,6 @@ Positions past the model's context: `positions_for` (engines/positions.py).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from abc import ABC
 from collections.abc import Callable
@@ -43,13 +42,14 @@ from transformers.modeling_utils import AttentionInterface
 
 from engines.answering import AnswerLoop
 from engines.cache import StaticKVCache, head_dim, kv_token_bytes, layer_types
+from engines.decode_blocks import DecodeBlocks
+from engines.decoding import swapped
 from engines.positions import Positions, context_limit, reassigns, rotary_module
 from engines.reuse import Reuse
 from kernels.chunk_attention import chunk_attention, windowed_compile_pays
 from kernels.decode_attention import decode_attention
 
 if TYPE_CHECKING:
-    from engines.decode_blocks import DecodeBlocks
     from engines.decoding import DecodeStep
 
 
@@ -237,7 +237,7 @@ class Engine(Reuse, AnswerLoop, ABC):
         slot = start if slot is None else slot
         logits = None
         blocks = self._prefill_blocks()
-        with blocks.swapped() if blocks is not None else contextlib.nullcontext():
+        with swapped(blocks):
             for lo in range(0, ids.numel(), chunk):
                 piece = ids[lo:lo + chunk].to(self.device, torch.long).view(1, -1)
                 positions = torch.arange(start + lo, start + lo + piece.shape[1], device=self.device).view(1, -1)
@@ -253,8 +253,6 @@ class Engine(Reuse, AnswerLoop, ABC):
         if not self.run.compile_prefill:
             return None
         if "prefill" not in self._blocks:
-            from engines.decode_blocks import DecodeBlocks
-
             self._blocks["prefill"] = DecodeBlocks(self.model, fuse=self.run.fuse_projections, compile=True,
                                                    dynamic=None)
         return self._blocks["prefill"]
