@@ -159,8 +159,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="a random preset cut to this many layers")
     ap.add_argument("--intermediate", type=int, default=None, help="a random preset's MLP width")
     args = ap.parse_args()
-    if args.census and any(s.replace(" ", "") == "compile_prefill=true" for s in args.set):
-        ap.error("--census cannot see inside compiled code (torch.compile runs eagerly under its dispatch mode)")
     if args.layers or args.intermediate:
         if not args.model.startswith("random:"):
             ap.error("--layers and --intermediate change random presets only")

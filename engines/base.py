@@ -42,14 +42,13 @@ from transformers.modeling_utils import AttentionInterface
 
 from engines.answering import AnswerLoop
 from engines.cache import StaticKVCache, head_dim, kv_token_bytes, layer_types
-from engines.decode_blocks import DecodeBlocks
-from engines.decoding import swapped
 from engines.positions import Positions, context_limit, reassigns, rotary_module
 from engines.reuse import Reuse
 from kernels.chunk_attention import chunk_attention, windowed_compile_pays
 from kernels.decode_attention import decode_attention
 
 if TYPE_CHECKING:
+    from engines.decode_blocks import DecodeBlocks
     from engines.decoding import DecodeStep
 
 
@@ -127,7 +126,7 @@ class Engine(Reuse, AnswerLoop, ABC):
         # A model split over devices (accelerate's device_map) keeps each layer's state on its layer's device.
         self.devices = sorted({p.device for p in self.model.parameters()}, key=str)
         self.single_device = len(self.devices) == 1
-        self._blocks: dict[bool | str, DecodeBlocks] = {}  # decode's per `compile`; "prefill" for compile_prefill
+        self._blocks: dict[bool, DecodeBlocks] = {}
 
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,
@@ -236,26 +235,14 @@ class Engine(Reuse, AnswerLoop, ABC):
         chunk = self.run.chunk_size
         slot = start if slot is None else slot
         logits = None
-        blocks = self._prefill_blocks()
-        with swapped(blocks):
-            for lo in range(0, ids.numel(), chunk):
-                piece = ids[lo:lo + chunk].to(self.device, torch.long).view(1, -1)
-                positions = torch.arange(start + lo, start + lo + piece.shape[1], device=self.device).view(1, -1)
-                cache.begin_chunk(slot + lo, piece.shape[1])
-                logits = self._forward(cache, piece, positions)
-                if progress is not None:
-                    progress(piece.shape[1])
+        for lo in range(0, ids.numel(), chunk):
+            piece = ids[lo:lo + chunk].to(self.device, torch.long).view(1, -1)
+            positions = torch.arange(start + lo, start + lo + piece.shape[1], device=self.device).view(1, -1)
+            cache.begin_chunk(slot + lo, piece.shape[1])
+            logits = self._forward(cache, piece, positions)
+            if progress is not None:
+                progress(piece.shape[1])
         return logits[:, -1].float()
-
-    def _prefill_blocks(self) -> DecodeBlocks | None:
-        """Under the run key `compile_prefill`, the modules every chunk runs through (engines/decode_blocks.py:
-        compiled MLPs, norms and rotary; fused projections where `fuse_projections`), else None."""
-        if not self.run.compile_prefill:
-            return None
-        if "prefill" not in self._blocks:
-            self._blocks["prefill"] = DecodeBlocks(self.model, fuse=self.run.fuse_projections, compile=True,
-                                                   dynamic=None)
-        return self._blocks["prefill"]
 
     def prefill(self, ids: torch.Tensor, *, reserve: int,
                 progress: Callable[[int], None] | None = None) -> DocumentState:
@@ -289,7 +276,6 @@ class Engine(Reuse, AnswerLoop, ABC):
         return {"kv_cache_bytes": state.cache.nbytes(), "kv_capacity_tokens": state.cache.capacity,
                 "decode_cuda_graph": f"one per device ({len(segments.segments)})" if per_device else graph,
                 "decode_compiled_blocks": blocks is not None and blocks.compiled,
-                "prefill_compiled_blocks": self.run.compile_prefill,
                 "decode_fused_projections": "+".join(sorted(blocks.fused)) if blocks and blocks.fused else "none",
                 **self.backends(), **state.counters,
                 **(state.cache.positions.counters() if state.cache.positions is not None else {})}

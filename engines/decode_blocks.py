@@ -10,7 +10,6 @@ the model's own modules and its chunk shapes):
   modules keep views of their rows: no memory is added, prefill computes what it computed before) and the step
   runs one GEMV per group.
 - Compiled blocks (run key `compile_decode`, off): the MLPs and norms under torch.compile with static shapes.
-  The same modules serve a chunked prefill under `compile_prefill` (below).
   Inductor fuses each RMSNorm (6-8 kernels) and the MLP's activation * up into one (H100, random 8B at 4K:
   8.60 -> 7.73 ms/token, 1,497 -> 1,017 kernels; benchmarks/profile_decode.py). The norms include those inside
   the attention (Qwen 3's and Gemma 3's per-head q_norm and k_norm: eagerly 16 kernels a layer) and the final
@@ -20,12 +19,6 @@ the model's own modules and its chunk shapes):
   module, is compiled too: eagerly it is ~10 kernels per layer (~0.6 ms of an 8B step). The attention forward
   looks that function up in its module's globals, so it is swapped there, as Liger Kernel patches it; the
   model's classes are untouched.
-
-Prefill keeps the model's own modules unless the run key `compile_prefill` is on: then every chunk runs through a
-second set (compiled with the chunk's shape, then once with dynamic shapes for the last chunk and the question;
-fused projections where `fuse_projections`). That is for streaming engines, whose small chunks (ltri-stream: 512
-tokens) leave the prefill host-bound on the model's own element-wise launches: eagerly ~50 ATen operators a
-layer and chunk for a Llama layer outside the attention (benchmarks/profile_prefill.py --census).
 """
 
 from __future__ import annotations
@@ -133,10 +126,7 @@ class DecodeBlocks:
     """Replacement modules for the decoder layers (fused projections, compiled MLPs and norms), in place only
     inside `swapped()`. `fused` names what was fused ("qkv", "gate_up"), for the report."""
 
-    def __init__(self, model: torch.nn.Module, *, fuse: bool, compile: bool, dynamic: bool | None = False):
-        """dynamic: torch.compile's; False for the decode step (its shapes never change), None for prefill
-        chunks (the chunk's shape compiled as it is, a second compilation with dynamic shapes serves the rest)."""
-        self.dynamic = dynamic
+    def __init__(self, model: torch.nn.Module, *, fuse: bool, compile: bool):
         self.slots: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]] = []
         self.shared: list[_SharedGEMV] = []
         self.fused: set[str] = set()
@@ -152,7 +142,7 @@ class DecodeBlocks:
                 if fuse and hasattr(child, "q_proj"):
                     self._fuse_attention(child)
                 if compile and type(child).__name__.endswith(_COMPILED_SUFFIXES):
-                    replacement = torch.compile(replacement, dynamic=self.dynamic)
+                    replacement = torch.compile(replacement, dynamic=False)
                 if compile and hasattr(child, "q_proj"):
                     self._compile_functions(sys.modules[type(child).__module__])
                     self._compile_norms(child)  # Qwen 3's and Gemma 3's per-head q_norm and k_norm
@@ -165,13 +155,13 @@ class DecodeBlocks:
         """parent's own RMSNorm children (not its layers'), compiled like the layers' norms."""
         for name, child in parent.named_children():
             if type(child).__name__.endswith("RMSNorm"):
-                self.slots.append((parent, name, child, torch.compile(child, dynamic=self.dynamic)))
+                self.slots.append((parent, name, child, torch.compile(child, dynamic=False)))
 
     def _compile_functions(self, module) -> None:
         for name in _COMPILED_FUNCTIONS:
             fn = getattr(module, name, None)
             if callable(fn) and not any(m is module and n == name for m, n, _, _ in self.functions):
-                self.functions.append((module, name, fn, torch.compile(fn, dynamic=self.dynamic)))
+                self.functions.append((module, name, fn, torch.compile(fn, dynamic=False)))
 
     def _fuse_attention(self, attn: torch.nn.Module) -> None:
         names = ("q_proj", "k_proj", "v_proj")

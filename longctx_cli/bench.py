@@ -34,8 +34,7 @@ from longctx_cli.report import RANDOM_NOTE, memory_snapshot, reset_peaks, run_st
 
 err = Console(stderr=True)
 WARMUP_STEPS = 4
-# next to each engine's keys
-RUN_KEYS_RECORDED = ("chunk_size", "dtype", "decode_graph", "compile_decode", "fuse_projections", "compile_prefill")
+RUN_KEYS_RECORDED = ("chunk_size", "dtype", "decode_graph", "compile_decode", "fuse_projections")  # next to each engine's keys
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30) -> float:

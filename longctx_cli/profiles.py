@@ -45,9 +45,6 @@ class RunSettings:
     compile_decode: bool = False
     # one GEMV for q, k and v, and one for gate and up, inside that graph (weights regrouped in place, no copy)
     fuse_projections: bool = True
-    # torch.compile the layers' MLPs, norms and rotary for every prefill chunk (fused projections where
-    # fuse_projections): fewer launches where small chunks leave prefill host-bound; a one-off compilation first
-    compile_prefill: bool = False
     # Saved document states ($LONGCTX_HOME/states) are kept within this size; the least recently used go first.
     state_cache_gib: float = 20.0
 

@@ -205,9 +205,7 @@ class DocumentStates:
         return {"format": FORMAT, "model": spec or EMBEDDED, "model_files": model_fingerprint(folder, random),
                 "engine": engine.name, "engine_settings": settings_of(engine.config), "chunk_size": run.chunk_size,
                 "dtype": str(engine.model.dtype), "device": engine.device.type, "tokens": int(ids.numel()),
-                "document": document_digest(ids), **engine.state_inputs(int(ids.numel()), reserve),
-                # Compiled norms and MLPs round differently from the model's own modules.
-                **({"compile_prefill": True} if run.compile_prefill else {})}
+                "document": document_digest(ids), **engine.state_inputs(int(ids.numel()), reserve)}
 
     def find(self, engine, ids, reserve: int, report):
         """The saved state for these inputs, imported with room for `reserve` tokens; None to compute it.

@@ -226,14 +226,13 @@ def test_bench_json(cli, tmp_path):
     # captured step: on CPU the counter says it did not happen).
     assert data["engine_settings"]["dense"] == {"engine": "dense", "chunk_size": 2048, "dtype": "auto",
                                                 "decode_graph": True, "compile_decode": True,
-                                                "fuse_projections": True, "compile_prefill": False}
+                                                "fuse_projections": True}
     [row] = data["rows"]
     assert {"engine", "context_tokens", "prefill_s", "decode_ms_per_token", "peak_gib"} <= row.keys()
     assert row["engine"] == "dense" and row["context_tokens"] == 256
     assert row["prefill_s"] > 0 and row["decode_ms_per_token"] > 0 and row["peak_gib"] > 0
     assert row["counters"]["decode_compiled_blocks"] is False
     assert row["counters"]["decode_fused_projections"] == "none"
-    assert row["counters"]["prefill_compiled_blocks"] is False
 
 
 def test_bench_records_where_an_engine_runs_out_of_memory(cli, tmp_path, monkeypatch):
