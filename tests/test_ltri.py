@@ -51,10 +51,12 @@ def _nms_brute(intervals, scores, thr):
 
 @pytest.mark.parametrize("n", [1, 2, 77, 128], ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("q", [0.0, 0.5, 0.9, 0.97, 1.0])
-def test_quantile_threshold_equals_torch_quantile(n, q):
-    """The fixed-index (sync-free) quantile over the causal cells equals torch.quantile on those cells."""
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_quantile_threshold_equals_torch_quantile(n, q, ties):
+    """The fixed-index (sync-free) quantile over the causal cells equals torch.quantile on those cells, also
+    where many cells are equal (integer maps)."""
     torch.manual_seed(42)
-    maps = torch.rand(3, n, n)
+    maps = torch.randint(0, 4, (3, n, n)).float() if ties else torch.rand(3, n, n)
     cells = maps[:, torch.ones(n, n, dtype=torch.bool).tril()].double()
     torch.testing.assert_close(sp.quantile_threshold(maps, q), torch.quantile(cells, q, dim=-1), rtol=0, atol=1e-12)
 

@@ -13,6 +13,7 @@ import torch
 
 from kernels import cdiv
 from kernels.gather_blocks import gather_blocks
+from kernels.index_scores import index_scores
 
 
 class _Growable:
@@ -185,17 +186,9 @@ class IndexMemory:
                      chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """query: [A, Hkv, D] head-weighted query vectors, of which those where chosen [A] (bool) is set take
         part (None: all) -> [n_blocks] best dot product of any vector of the block with any query vector (blocks
-        without vectors: -inf), and [n_blocks] the offset in its block of the vector that scored it (-1: none)."""
-        sims = torch.einsum("akd,nkd->an", query.float(), self.vectors.used.float())
-        if chosen is not None:
-            sims.masked_fill_(~chosen[:, None], float("-inf"))
-        sims = sims.amax(dim=0)
-        block = self.block.used
-        out = torch.full((n_blocks,), float("-inf"), dtype=torch.float32, device=sims.device)
-        out = out.scatter_reduce(0, block, sims, reduce="amax")
-        best = torch.where(sims == out[block], self.offset.used, -1)
-        where = torch.full((n_blocks,), -1, dtype=torch.long, device=sims.device)
-        return out, where.scatter_reduce(0, block, best, reduce="amax")
+        without vectors: -inf), and [n_blocks] the offset in its block of the vector that scored it (-1: none); one
+        kernel on CUDA (kernels/index_scores)."""
+        return index_scores(query, self.vectors.used, self.block.used, self.offset.used, n_blocks, chosen)
 
     def nbytes(self) -> int:
         return self.vectors.nbytes() + self.block.nbytes() + self.offset.nbytes()
