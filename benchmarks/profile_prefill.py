@@ -151,6 +151,8 @@ def main() -> None:
     ap.add_argument("--length", default="32k")
     ap.add_argument("--chunks", default="2048,8192")
     ap.add_argument("--python", action="store_true", help="also one prefill under cProfile")
+    ap.add_argument("--no-kernels", dest="kernels", action="store_false",
+                    help="skip the prefill under torch.profiler (long documents: its events take minutes to sum)")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda")
@@ -197,15 +199,16 @@ def main() -> None:
             run()
             wall = time.perf_counter() - t
             row.update({"prefill_s": round(wall, 3), "tokens_per_s": round(n / wall)})
-            with profile(activities=[ProfilerActivity.CUDA if args.device == "cuda" else ProfilerActivity.CPU]) as p:
-                run()
-            kernel_ms, launches, top = _kernels(p, args.rows)
-            row.update({"kernel_s": round(kernel_ms / 1e3, 3), "kernel_launches": launches, "top_kernels": top})
-            print(f"{args.profile} chunk {chunk}: prefill {wall:.2f} s ({n / wall:,.0f} tok/s), kernels "
-                  f"{kernel_ms / 1e3:.2f} s in {launches:,} launches (first prefill {row['first_prefill_s']:.2f} s)",
-                  flush=True)
-            for k in top[:12]:
-                print(f"  {k['ms']:10.1f} ms {k['count']:8d}  {k['kernel']}")
+            print(f"{args.profile} chunk {chunk}: prefill {wall:.2f} s ({n / wall:,.0f} tok/s), first prefill "
+                  f"{row['first_prefill_s']:.2f} s", flush=True)
+            if args.kernels:
+                with profile(activities=[ProfilerActivity.CUDA if args.device == "cuda" else ProfilerActivity.CPU]) as p:
+                    run()
+                kernel_ms, launches, top = _kernels(p, args.rows)
+                row.update({"kernel_s": round(kernel_ms / 1e3, 3), "kernel_launches": launches, "top_kernels": top})
+                print(f"  kernels {kernel_ms / 1e3:.2f} s in {launches:,} launches", flush=True)
+                for k in top[:12]:
+                    print(f"  {k['ms']:10.1f} ms {k['count']:8d}  {k['kernel']}")
             if args.python:
                 row["python_top"] = _python_top(run, args.rows)
                 for f in row["python_top"]:
