@@ -21,6 +21,9 @@ import inspect
 
 import torch
 
+from kernels.rotary import rotate_half, rotate_rows
+
+
 def rotary_module(model):
     """The model's rotary embedding module, or None where positions cannot be re-assigned."""
     try:
@@ -42,11 +45,6 @@ def reassigns(mode: str, n_tokens: int, limit: int) -> bool:
     """Whether a document of n_tokens (question and answer included) runs on re-assigned positions: `auto` when
     it is longer than the model's context (limit; 0 = unknown), `cache` always, `document` never."""
     return mode == "cache" or (mode == "auto" and bool(limit) and n_tokens > limit)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Positions:
@@ -141,20 +139,24 @@ class Positions:
                below: int | None = None) -> torch.Tensor:
         """x: [B, H, R, D] un-rotated keys -> rotated at positions ([R] or [B, H, R]; all < below where given),
         in x's dtype."""
+        if below is not None and positions.dim() == 1:
+            return rotate_rows(x, positions, *self._table(positions.device, sliding, below))
         cos, sin = self.cos_sin(positions, sliding, below)
         if cos.dim() == 2:
             cos, sin = cos[None, None], sin[None, None]
         xf = x.float()
-        return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+        return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor, sliding: bool,
                  below: int | None = None) -> torch.Tensor:
         """The inverse of `rotate` (the rotary's attention scaling divided out): x [B, H, T, D] rotated at
         positions [T] (all < below where given) -> un-rotated, in x's dtype."""
+        if below is not None:
+            return rotate_rows(x, positions, *self._table(positions.device, sliding, below), inverse=True)
         cos, sin = self.cos_sin(positions, sliding, below)
         cos, sin = cos[None, None], sin[None, None]
         xf = x.float()
-        return ((xf * cos - _rotate_half(xf) * sin) / (cos * cos + sin * sin)).to(x.dtype)
+        return ((xf * cos - rotate_half(xf) * sin) / (cos * cos + sin * sin)).to(x.dtype)
 
     def counters(self) -> dict:
         return {"positions": "re-assigned", "largest_position": self.largest}
