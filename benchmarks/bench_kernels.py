@@ -1,6 +1,7 @@
 """Kernel benchmarks on a GPU: decode_attention (Triton vs SDPA), chunk_attention (Flex vs SDPA reference),
-vote_attention, ltri-stream's span kernels (span_candidates, span_rows, farthest_point; Triton vs reference) and its
-block loads (gather_blocks from pinned host memory vs a copy per block).
+vote_attention, ltri-stream's span kernels (span_candidates, span_rows, farthest_point; Triton vs reference), its
+block loads (gather_blocks from pinned host memory vs a copy per block), its block scores (index_scores) and the
+rotations of re-assigned positions (rotary).
 
     python benchmarks/bench_kernels.py --out results.json
 
@@ -12,7 +13,10 @@ maps (the query side, 4 maps of 128 rows per layer) and a chunk's evicted blocks
 (128 maps; farthest-point over their keys, 1,024 features, 48 slots); the references include their host work.
 Block loads: one layer's 16 retrieval slots of the 8B shape (8 KV heads x 128 tokens x 128) from 1,024 pinned
 blocks, bf16 or fp8 with scales; the per-block path is ContextMemory.load's (two async copies a block, or a copy and
-a dequantisation for fp8). Times are do_bench medians in ms.
+a dequantisation for fp8). Block scores: one layer's retrieval of the 8B shape (192 query vectors over the index
+vectors of a 128K or 1M-token document, 12 a 128-token block). Rotations: one layer's rows of the 8B shape (8 KV
+heads, 6,784 rows, head_dim 128, bf16) from a 6,784-row table. Times are do_bench medians in ms: these kernels
+replace chains of small operations, so the reference's time is mostly its launches.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ from kernels.decode_attention.triton import decode_attention_triton, num_splits_
 from kernels.farthest_point import farthest_point_reference  # noqa: E402
 from kernels.farthest_point.triton import farthest_point_triton  # noqa: E402
 from kernels.gather_blocks.triton import gather_blocks_triton  # noqa: E402
+from kernels.index_scores import index_scores_reference  # noqa: E402
+from kernels.index_scores.triton import index_scores_triton  # noqa: E402
+from kernels.rotary import rotate_rows_reference  # noqa: E402
+from kernels.rotary.triton import rotate_rows_triton  # noqa: E402
 from kernels.span_candidates import span_candidates_reference  # noqa: E402
 from kernels.span_candidates.triton import span_candidates_triton  # noqa: E402
 from kernels.span_rows import span_rows_reference  # noqa: E402
@@ -168,11 +176,41 @@ def bench_gather(fp8: bool, slots: int = 16, heads: int = 8, block: int = 128, d
             "stored": stored, "bytes": moved, "ms": ms, "gb_per_s": {n: moved / (t / 1e3) / 1e9 for n, t in ms.items()}}
 
 
+def bench_retrieval(tokens: int, A: int = 192, heads: int = 8, dim: int = 128, block: int = 128,
+                    per_block: int = 12, rows: int = 6784) -> dict:
+    """One layer and chunk: block scores over a document's index vectors, and a rotation and un-rotation of the
+    rows (the 8B shape)."""
+    g = torch.Generator(device="cuda").manual_seed(42)
+    n_blocks = tokens // block
+    N = n_blocks * per_block
+    query = torch.randn(A, heads, dim, device="cuda", generator=g)
+    chosen = torch.rand(A, device="cuda", generator=g) < 0.8
+    vectors = torch.randn(N, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    blocks = torch.arange(n_blocks, device="cuda").repeat_interleave(per_block)
+    offsets = torch.randint(0, block, (N,), device="cuda", generator=g)
+    x = torch.randn(1, heads, rows, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    positions = torch.randperm(rows, device="cuda", generator=g)
+    angle = torch.arange(rows, device="cuda")[:, None] * 500000.0 ** (-torch.arange(0, dim, 2, device="cuda") / dim)
+    cos, sin = torch.cat([angle.cos()] * 2, dim=-1).contiguous(), torch.cat([angle.sin()] * 2, dim=-1).contiguous()
+    args = (query, vectors, blocks, offsets, n_blocks, chosen)
+    fns = {
+        "index_scores": {"triton": lambda: index_scores_triton(*args),
+                         "reference": lambda: index_scores_reference(*args)},
+        "rotate": {"triton": lambda: rotate_rows_triton(x, positions, cos, sin),
+                   "reference": lambda: rotate_rows_reference(x, positions, cos, sin)},
+        "unrotate": {"triton": lambda: rotate_rows_triton(x, positions, cos, sin, inverse=True),
+                     "reference": lambda: rotate_rows_reference(x, positions, cos, sin, inverse=True)},
+    }
+    ms = {op: {name: do_bench(fn, warmup=5, rep=50, return_mode="median") for name, fn in impls.items()}
+          for op, impls in fns.items()}
+    return {"op": "ltri_retrieval", "tokens": tokens, "index_vectors": N, "query_vectors": A, "rows": rows, "ms": ms}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--capacity", type=int, default=max(DECODE_LENGTHS), help="decode buffer size S")
-    parser.add_argument("--only", choices=["spans", "gather"], help="run only these benchmarks")
+    parser.add_argument("--only", choices=["spans", "gather", "retrieval"], help="run only these benchmarks")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -225,6 +263,15 @@ def main() -> None:
             print(f"{'fp8' if fp8 else 'bf16':>7} {r['bytes'] / 1e6:6.1f} " + " ".join(
                 f"{r['ms'][n]:14.3f} ({r['gb_per_s'][n]:6.1f})" for n in ("gather_blocks", "per_block_copies")),
                 flush=True)
+
+    if args.only in (None, "retrieval"):
+        ops = ("index_scores", "rotate", "unrotate")
+        print(f"\n{'tokens':>8} " + " ".join(f"{op + ' triton / reference ms':>36}" for op in ops))
+        for tokens in (131072, 1048576):
+            r = bench_retrieval(tokens)
+            rows.append(r)
+            print(f"{tokens:>8} " + " ".join(f"{r['ms'][op]['triton']:14.3f} / {r['ms'][op]['reference']:8.3f}" + " " * 11
+                                         for op in ops), flush=True)
 
     result = {
         "device": torch.cuda.get_device_name(),
