@@ -122,13 +122,16 @@ class LtriLayer(OwnedRowsLayer):
         """[rows] the positions the rows are attended at when positions are re-assigned: the window keeps its
         true distances (document position - shift); the init tokens keep theirs (their rows); retrieved blocks
         keep theirs while the document still fits in front of the window (shift 0), and afterwards sit between
-        the init tokens and the window in document order (`order_slots`). Every position is below `rows`."""
-        shift = self.owner.positions.shift_on(self.device)
-        window = self.key_pos - shift
+        the init tokens and the window in document order (`order_slots`). Every position is below `rows`.
+        Read on the host's shift (prefill and `begin_decode`; decode steps rotate only their own row)."""
+        window = self.key_pos - self.owner.positions.shift
         if not self.retrieve:
             return window
-        front = torch.where(shift == 0, self.key_pos[:self.local0], self.front_at)
-        return torch.cat([front, window[self.local0:]])
+        return torch.cat([self._front(), window[self.local0:]])
+
+    def _front(self) -> torch.Tensor:
+        """`assigned` of the rows in front of the window (init and retrieval slots): a view, no launch."""
+        return self.key_pos[:self.local0] if self.owner.positions.shift == 0 else self.front_at
 
     def attended(self, keys: torch.Tensor) -> torch.Tensor:
         """The rows' keys as attention reads them: rotated at `assigned` where positions are re-assigned (a new
@@ -180,7 +183,7 @@ class LtriLayer(OwnedRowsLayer):
         if self.owner.positions is None:
             return  # `attended` is the buffers themselves: the slots are already there
         lo, hi = self.n_init, self.local0
-        attended[:, :, lo:hi] = self.owner.positions.rotate(self.keys[:, :, lo:hi], self.assigned()[lo:hi],
+        attended[:, :, lo:hi] = self.owner.positions.rotate(self.keys[:, :, lo:hi], self._front()[lo:hi],
                                                             self.is_sliding, below=self.rows)
 
     def as_attended(self, keys: torch.Tensor, start: int) -> torch.Tensor:
