@@ -270,8 +270,8 @@ def main() -> None:
         for tokens in (131072, 1048576):
             r = bench_retrieval(tokens)
             rows.append(r)
-            print(f"{tokens:>8} " + " ".join(f"{r['ms'][op]['triton']:14.3f} / {r['ms'][op]['reference']:8.3f}" + " " * 11
-                                         for op in ops), flush=True)
+            cells = (f"{r['ms'][op]['triton']:14.3f} / {r['ms'][op]['reference']:8.3f}" + " " * 11 for op in ops)
+            print(f"{tokens:>8} " + " ".join(cells), flush=True)
 
     result = {
         "device": torch.cuda.get_device_name(),

@@ -202,7 +202,8 @@ def main() -> None:
             print(f"{args.profile} chunk {chunk}: prefill {wall:.2f} s ({n / wall:,.0f} tok/s), first prefill "
                   f"{row['first_prefill_s']:.2f} s", flush=True)
             if args.kernels:
-                with profile(activities=[ProfilerActivity.CUDA if args.device == "cuda" else ProfilerActivity.CPU]) as p:
+                activity = ProfilerActivity.CUDA if args.device == "cuda" else ProfilerActivity.CPU
+                with profile(activities=[activity]) as p:
                     run()
                 kernel_ms, launches, top = _kernels(p, args.rows)
                 row.update({"kernel_s": round(kernel_ms / 1e3, 3), "kernel_launches": launches, "top_kernels": top})
