@@ -210,23 +210,22 @@ def test_block_scores_report_where_each_block_matched():
 
 
 def test_a_block_matched_in_its_tail_brings_its_successor():
-    from types import SimpleNamespace
+    from kernels.slot_plan.reference import choose_blocks
 
-    from engines.ltri import LtriConfig
-    from engines.ltri.index import Indexer
-
-    cache = SimpleNamespace(stats={"successors": 0})
-    indexer = Indexer(LtriConfig(block_size=128, successor_tail=32), SimpleNamespace(num_attention_heads=4))
     scores = torch.tensor([0.1, 0.9, 0.2, 0.8, 0.3, 0.7])
     where = torch.tensor([0, 100, 0, 10, 0, 127])  # block 1 matched at 100 (tail: >= 96), block 3 at 10
-    assert indexer._with_successors(scores, where, 3, 128, cache) == [1, 2, 3]  # 2 displaces block 5
-    assert cache.stats["successors"] == 1
-    assert indexer._with_successors(scores, where, 2, 128, cache) == [1, 2]
+
+    def wanted(scores, where, k, tail=32):
+        top = scores.topk(k).indices
+        chosen, successors = choose_blocks(top.tolist(), where[top].tolist(), scores.numel(), 128, tail)
+        return sorted(chosen), successors
+
+    assert wanted(scores, where, 3) == ([1, 2, 3], 1)  # 2 displaces block 5
+    assert wanted(scores, where, 2) == ([1, 2], 1)
+    assert wanted(scores, where, 1) == ([1], 0)  # k reached: no room for the successor
     # The last stored block has no successor in memory (the next one is still in the window).
-    assert indexer._with_successors(scores, where, 1, 128, cache) == [1]
-    assert indexer._with_successors(torch.tensor([0.0, 1.0]), torch.tensor([0, 120]), 2, 128, cache) == [0, 1]
-    indexer.cfg.successor_tail = 0
-    assert indexer._with_successors(scores, where, 3, 128, cache) == [1, 3, 5]
+    assert wanted(torch.tensor([0.0, 1.0]), torch.tensor([0, 120]), 2) == ([0, 1], 0)
+    assert wanted(scores, where, 3, tail=0) == ([1, 3, 5], 0)
 
 
 def test_flush_outside_inference_mode_indexes_blocks_made_inside_it():
@@ -261,9 +260,11 @@ def test_retrieval_slots_keep_blocks_already_loaded():
     layer.lazy_initialization(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3))
     for b in range(5):  # five evicted blocks, block b filled with the value b
         layer.memory.add(torch.full((2, 4, 3), float(b)), torch.full((2, 4, 3), -float(b)))
-    per_block = 2 * 2 * 4 * 3 * 4  # K and V, 2 heads x 4 tokens x 3 dims, fp32
-    assert layer.load_blocks([0, 2, 4]) == 3 * per_block
-    assert layer.load_blocks([1, 2]) == per_block  # 2 stays where it is, 1 takes a freed slot
+    assert layer.memory.block_bytes == 2 * 2 * 4 * 3 * 4  # K and V, 2 heads x 4 tokens x 3 dims, fp32
+    layer.load_blocks(torch.tensor([0, 2, 4]), None, 5, 0)
+    assert layer.tally.tolist() == [0, 3] and layer.n_held == 3
+    layer.load_blocks(torch.tensor([2, 1]), None, 5, 0)
+    assert layer.tally.tolist() == [0, 4] and layer.n_held == 2  # 2 stays where it is, 1 takes a freed slot
     assert sorted(b for b in layer.slots if b >= 0) == [1, 2]
     for s, b in enumerate(layer.slots):
         rows = slice(4 + 4 * s, 8 + 4 * s)
@@ -601,7 +602,7 @@ def test_exact_compensation_equals_attention_over_every_stored_key(monkeypatch):
     layer.memory.add(keys[:, 4:24], values[:, 4:24])
     layer.local_start, layer.local_len = 24, 6
     layer._write(layer.local0, keys[None, :, 24:], values[None, :, 24:], 24)
-    layer.load_blocks([1, 3])  # blocks 0, 2 and 4 left out: two batches
+    layer.load_blocks(torch.tensor([1, 3]), None, 5, 0)  # blocks 0, 2 and 4 left out: two batches
     query = torch.randn(1, hkv * g, t, d)  # the window's last t tokens
     out, _ = softmax_attention(layer, query, layer.keys, layer.values, 0.5, n - t, t, exact=True)
     s = torch.einsum("hgtd,hnd->hgtn", query[0].view(hkv, g, t, d), keys) * 0.5
@@ -636,7 +637,7 @@ def test_decode_summaries_attend_each_left_out_block_as_its_mean_row_weighted_by
     layer.summarize(0, keys[:, 4:24], values[:, 4:24])
     layer.local_start, layer.local_len = 24, 6
     layer._write(layer.local0, keys[None, :, 24:], values[None, :, 24:], 24)
-    layer.load_blocks([1, 3])
+    layer.load_blocks(torch.tensor([1, 3]), None, 5, 0)
     layer.begin_decode()
     assert layer.summary_rows() == 3  # blocks 0, 2 and 4
     query = torch.randn(1, hkv * g, 1, d)

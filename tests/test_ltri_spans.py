@@ -127,21 +127,22 @@ def _layer(positions, fp8=False):
 
 def _load_blocks_loop(layer, wanted):
     """load_blocks and order_slots one slot at a time: the definition the batched writes follow."""
-    keep = set(wanted)
-    free = [s for s, b in enumerate(layer.slots) if b not in keep]
-    missing = [b for b in wanted if b not in layer.slots]
+    keep, slots = set(wanted), layer.slots
+    free = [s for s, b in enumerate(slots) if b not in keep]
+    missing = [b for b in wanted if b not in slots]
     for s, b in zip(free, missing):
         rows = slice(layer.n_init + s * layer.block, layer.n_init + (s + 1) * layer.block)
         layer.memory.load(b, layer.keys[0, :, rows], layer.values[0, :, rows])
         start = layer.n_init + b * layer.block
         layer.key_pos[rows] = torch.arange(start, start + layer.block)
-        layer.slots[s] = b
+        slots[s] = b
     for s in free[len(missing):]:
         layer.key_pos[layer.n_init + s * layer.block:layer.n_init + (s + 1) * layer.block] = -1
-        layer.slots[s] = -1
-    rank = {b: k for k, b in enumerate(sorted(b for b in layer.slots if b >= 0))}
+        slots[s] = -1
+    layer.slots = slots
+    rank = {b: k for k, b in enumerate(sorted(b for b in slots if b >= 0))}
     at = torch.arange(layer.local0)
-    for s, b in enumerate(layer.slots):
+    for s, b in enumerate(slots):
         if b >= 0:
             lo = layer.n_init + s * layer.block
             at[lo:lo + layer.block] = layer.n_init + rank[b] * layer.block + torch.arange(layer.block)
@@ -157,7 +158,7 @@ def test_slot_loads_and_positions_equal_the_loop(fp8):
         wanted = sorted(rng.choice(12, size=int(rng.integers(0, 6)), replace=False).tolist())
         if step % 7 == 3:
             wanted = [b for b in got.slots if b >= 0][:2]  # blocks already held
-        got.load_blocks(wanted)
+        got.load_blocks(torch.tensor(wanted, dtype=torch.long), None, 12, 0)
         _load_blocks_loop(want, wanted)
         assert got.slots == want.slots
         for name in ("keys", "values", "key_pos", "front_at"):

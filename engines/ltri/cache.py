@@ -20,6 +20,7 @@ import torch
 
 from engines.cache import OwnedRowsLayer, StaticKVCache, layer_types
 from engines.ltri.memory import ContextMemory, IndexMemory, context_blocks
+from kernels.slot_plan import plan_slots, slot_rows
 
 
 class LtriLayer(OwnedRowsLayer):
@@ -39,7 +40,8 @@ class LtriLayer(OwnedRowsLayer):
         self.rows = self.rows_for(n_init, n_retrieved, n_local, block, room)
         self.local_len = 0  # rows of the local window in use
         self.local_start = n_init  # position of local row 0
-        self.slots = [-1] * (n_retrieved // block)  # block id per retrieval slot
+        self._slots = [-1] * (n_retrieved // block)  # block id per retrieval slot (`slot_ids` once initialized)
+        self.n_held = 0  # slots holding a block, known on the host without reading `slot_ids`
         self.pending: dict[int, list] = {}  # block id -> spans, for blocks still in the window
         self.peak_rows = 0  # most valid rows ever held (measured at every chunk)
 
@@ -67,6 +69,11 @@ class LtriLayer(OwnedRowsLayer):
         # Re-assigned positions: the rows' keys rotated for decode steps (`begin_decode`, `attended`).
         self.rotated = torch.empty_like(self.keys) if self.owner.positions is not None else None
         if self.retrieve:
+            # Which block each slot holds, decided on the device (kernels/slot_plan) with the blocks each slot
+            # loads, and its tallies of successors and blocks loaded (read into the counters by `settle`).
+            self.slot_ids = torch.tensor(self._slots, dtype=torch.long, device=self.device)
+            self.slot_load = torch.full_like(self.slot_ids, -1)
+            self.tally = torch.zeros(2, dtype=torch.long, device=self.device)
             pin = self.device.type == "cuda"
             # Sized for the whole document up front (the cache knows its length): a growing pinned slab would
             # wait for the device and copy itself at every doubling.
@@ -206,9 +213,24 @@ class LtriLayer(OwnedRowsLayer):
         """Rows a prefill attention reads: init, retrieval slots and the window so far."""
         return self.local0 + self.local_len
 
+    @property
+    def slots(self) -> list[int]:
+        """Block id per retrieval slot (-1: empty); read from the device once initialized (a wait: checkpoints,
+        saved states and decode set-up read it, never a prefill chunk)."""
+        if self.retrieve and self.is_initialized:
+            return self.slot_ids.tolist()
+        return list(self._slots)
+
+    @slots.setter
+    def slots(self, values: list[int]) -> None:
+        self._slots = list(values)
+        self.n_held = sum(b >= 0 for b in values)
+        if self.retrieve and self.is_initialized:
+            self.slot_ids.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+
     def valid_rows(self) -> int:
         init = min(self.n_init, self.owner.filled)
-        return init + self.block * sum(s >= 0 for s in self.slots) + self.local_len
+        return init + self.block * self.n_held + self.local_len
 
     def first_full_block(self) -> int:
         """Id of the oldest block of the window (block b holds positions n_init + b * block ...)."""
@@ -227,45 +249,26 @@ class LtriLayer(OwnedRowsLayer):
         self.local_len, self.local_start = keep, self.local_start + n
         return out
 
-    def load_blocks(self, wanted: list[int]) -> int:
-        """Makes the retrieval slots hold exactly `wanted` (block ids); blocks already there stay, the k-th
-        missing block takes the k-th free slot. The blocks come from context memory in one launch
-        (kernels/gather_blocks: it reads the pinned memory itself, where a copy per block costs a launch each).
-        Returns the bytes copied host -> device."""
-        keep, held = set(wanted), set(self.slots)
-        free = [s for s, b in enumerate(self.slots) if b not in keep]
-        missing = [b for b in wanted if b not in held]
-        load = [-1] * len(self.slots)
-        for s, b in zip(free, missing):
-            self.slots[s] = load[s] = b
-        for s in free[len(missing):]:
-            self.slots[s] = -1
+    def load_blocks(self, top: torch.Tensor, where: torch.Tensor | None, n_blocks: int, tail: int) -> None:
+        """Makes the retrieval slots hold the chunk's top blocks top [k] (best first; with `tail`, a block matched
+        in its last `tail` tokens (where [n_blocks]) brings its successor); blocks already there stay, the j-th
+        missing block takes the j-th free slot. Decided on the device (kernels/slot_plan: slots, their rows'
+        positions and `front_at`), the blocks loaded from context memory in one launch (kernels/gather_blocks
+        reads the pinned memory itself): nothing waits for the top-k ids."""
         lo, hi = self.n_init, self.local0
-        if missing:
-            self.memory.gather(self.keys[0, :, lo:hi], self.values[0, :, lo:hi], load)
-        if free:
-            self.key_pos[lo:hi].copy_(self._slot_positions(), non_blocking=True)
-        self.order_slots()
-        return len(missing) * self.memory.block_bytes
-
-    def _slot_positions(self) -> torch.Tensor:
-        """[n_retrieved] (host) each slot row's document position (-1: empty slot), in one copy to the device."""
-        ids = torch.tensor(self.slots)[:, None]
-        at = self.n_init + ids * self.block + torch.arange(self.block)
-        return at.masked_fill(ids < 0, -1).flatten()
+        front = self.front_at[lo:] if self.owner.positions is not None else None
+        plan_slots(top, where, self.slot_ids, self.slot_load, self.key_pos[lo:hi], front, self.tally,
+                   n_blocks=n_blocks, block=self.block, tail=tail, n_init=self.n_init)
+        self.n_held = top.shape[0]  # k distinct blocks (successors take the place of lower-ranked ones)
+        self.memory.gather(self.keys[0, :, lo:hi], self.values[0, :, lo:hi], self.slot_load)
 
     def order_slots(self) -> None:
-        """`front_at` for the slots as they are: the k-th retrieved block in document order takes the k-th block
-        of positions after the init tokens (a needle cut by a block boundary reads on in order)."""
+        """`front_at` for the slots as they are (after a restore): the k-th retrieved block in document order takes
+        the k-th block of positions after the init tokens (a needle cut by a block boundary reads on in order)."""
         if self.owner.positions is None:
             return
-        ids = torch.tensor(self.slots)
-        # Rank of each slot's block in document order: empty slots (-1) sort first, so they are counted out.
-        rank = ids.argsort(stable=True).argsort() - (ids < 0).sum()
-        at = self.n_init + rank[:, None] * self.block + torch.arange(self.block)
-        front = torch.cat([torch.arange(self.n_init), at.flatten()])
-        held = torch.cat([torch.ones(self.n_init, dtype=torch.bool), (ids >= 0).repeat_interleave(self.block)])
-        self.front_at.copy_(torch.where(held, front, torch.arange(self.local0)), non_blocking=True)
+        _, front = slot_rows(self.slots, self.n_init, self.block)
+        self.front_at[self.n_init:].copy_(front, non_blocking=True)
 
     def nbytes(self) -> int:
         """Device-side state: the bounded rows (K, V, positions, votes) and the index memory."""
@@ -323,3 +326,14 @@ class LtriCache(StaticKVCache):
         if self.question:
             self.question_chunks.append(self.chunk_votes)
         self.indexer.flush(self)
+
+    @torch.inference_mode()
+    def settle(self) -> None:
+        """Moves the tallies retrieval keeps on the device (successors, blocks loaded) into `stats`: one wait per
+        layer, where the counters are read or kept."""
+        for layer in self.layers:
+            if layer.retrieve and layer.is_initialized:
+                successors, loaded = layer.tally.tolist()
+                layer.tally.zero_()
+                self.stats["successors"] += successors
+                self.stats["host_to_device_bytes"] += loaded * layer.memory.block_bytes

@@ -207,7 +207,7 @@ class Indexer:
             return
         k = min(self.cfg.top_k, n_blocks)
         if n_blocks <= k:
-            wanted = list(range(n_blocks))
+            layer.load_blocks(torch.arange(n_blocks, device=query.device), None, n_blocks, 0)
         else:
             qvec, chosen = self._query_vectors(layer, layer_idx, query, key, scaling, cache)
             hkv = key.shape[1]
@@ -215,32 +215,12 @@ class Indexer:
             qw = (qvec.float() * w[None, :, None]).view(qvec.shape[0], hkv, -1, qvec.shape[-1]).sum(dim=2)
             scores, where = layer.index.block_scores(qw, n_blocks, chosen)
             scores = self._vote(layer_idx, scores, cache)
-            wanted = self._with_successors(scores, where, k, layer.block, cache)
-        cache.stats["host_to_device_bytes"] += layer.load_blocks(wanted)
+            # The successor rule (`successor_tail`): a block whose best-matching index vector lies in its last
+            # tokens brings the next block along: what the question matches there (a needle's key) may continue
+            # past the block boundary (its value), which no query of the question resembles.
+            layer.load_blocks(scores.topk(k).indices, where, n_blocks, self.cfg.successor_tail)
         cache.stats["blocks_retrieved"] += k
         cache.stats["retrievals"] += 1
-
-    def _with_successors(self, scores: torch.Tensor, where: torch.Tensor, k: int, block: int,
-                         cache: LtriCache) -> list[int]:
-        """The k blocks to load, best first; a block whose best-matching index vector lies in its last
-        `successor_tail` tokens brings the next block along, right after it: what the question matches there
-        (a needle's key) may continue past the block boundary (its value), which no query of the question
-        resembles. Sorted block ids."""
-        top = scores.topk(k).indices
-        tail = self.cfg.successor_tail
-        if not tail:
-            return sorted(top.tolist())
-        top, where = torch.stack([top, where[top]]).tolist()  # one device -> host copy
-        wanted: list[int] = []
-        for b, w in zip(top, where):
-            if len(wanted) >= k:
-                break
-            if b not in wanted:
-                wanted.append(b)
-            if w >= block - tail and b + 1 < scores.numel() and b + 1 not in wanted and len(wanted) < k:
-                wanted.append(b + 1)
-                cache.stats["successors"] += 1
-        return sorted(wanted)
 
     def _vote(self, layer_idx: int, scores: torch.Tensor, cache: LtriCache) -> torch.Tensor:
         """Collaborative voting (3.5): this layer's normalised scores plus those of earlier retrieval-head
@@ -266,6 +246,7 @@ class Indexer:
     def counters(self, cache: LtriCache) -> dict:
         ids = [i for i, layer in enumerate(cache.layers) if layer.retrieve and layer.is_initialized]
         full = [cache.layers[i] for i in ids]
+        cache.settle()
         stats = cache.stats
         if not full:
             return {}

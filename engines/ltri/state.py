@@ -42,9 +42,11 @@ def _set_scalars(layer: LtriLayer, values: dict) -> None:
     layer.shift.fill_(values["shift"])
     if layer.retrieve:
         layer.order_slots()
+        layer.tally.zero_()  # the stats put back (`_set_cache_scalars`) were settled when kept
 
 
 def _cache_scalars(cache: LtriCache) -> dict:
+    cache.settle()
     return {"filled": cache.filled, "lams": dict(cache.lams), "lam_samples": copy.deepcopy(cache.lam_samples),
             "stats": dict(cache.stats),
             "positions": position_scalars(cache)}
