@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_common import check_device, launch_context
+from kernels._triton_common import check_device, launch, launch_context
 
 
 @triton.jit(do_not_specialize=["n_slots"])
@@ -74,7 +74,7 @@ def farthest_point_triton(keys: torch.Tensor, votes: torch.Tensor, ranges: torch
     # A [BLOCK_N, BLOCK_F] fp32 tile of 8K elements: 64 registers a thread over 4 warps.
     block_f = max(16, min(triton.next_power_of_2(F), 8192 // block_n))
     with launch_context(keys.device):
-        _farthest_point_fwd_kernel[(m,)](
+        launch(_farthest_point_fwd_kernel, (m,),
             keys, votes, ranges, picks, n, F, S,
             keys.stride(0), keys.stride(1), votes.stride(0), ranges.stride(0), ranges.stride(1),
             BLOCK_N=block_n, BLOCK_F=block_f, num_warps=4,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_common import INTERPRET, check_device, launch_context
+from kernels._triton_common import INTERPRET, check_device, launch, launch_context
 
 _DST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -105,7 +105,7 @@ def gather_blocks_triton(dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.
     fp8 = scales is not None
     cn, ck, ch = scales.stride() if fp8 else (0, 0, 0)
     with launch_context(dst_k.device):
-        _gather_blocks_fwd_kernel[(n_slots, heads, triton.cdiv(block, block_r))](
+        launch(_gather_blocks_fwd_kernel, (n_slots, heads, triton.cdiv(block, block_r)),
             dst_k, dst_v, src_k, src_v, ids, scales, block, dim,
             dst_k.stride(0), dst_k.stride(1), dst_v.stride(0), dst_v.stride(1),
             src_k.stride(0), src_k.stride(1), src_k.stride(2), src_v.stride(0), src_v.stride(1), src_v.stride(2),

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels import cdiv
-from kernels._triton_common import check_device, launch_context
+from kernels._triton_common import check_device, launch, launch_context
 
 _EMPTY = -(2 ** 63)  # a block no vector reached: its high half, -2**31, is no float's key
 
@@ -94,11 +94,11 @@ def index_scores_triton(query: torch.Tensor, vectors: torch.Tensor, block: torch
     block_a = max(16, min(64, triton.next_power_of_2(max(A, 1))))
     with launch_context(vectors.device):
         if N:
-            _index_scores_fwd_kernel[(cdiv(N, 64),)](
+            launch(_index_scores_fwd_kernel, (cdiv(N, 64),),
                 query, chosen.view(torch.uint8) if chosen is not None else query, vectors, block, offset, packed,
                 N, A, heads * dim, query.stride(0), vectors.stride(0),
                 HAS_CHOSEN=chosen is not None, BLOCK_N=64, BLOCK_A=block_a, BLOCK_K=64, num_warps=4,
             )
-        _index_scores_unpack_kernel[(cdiv(n_blocks, 1024),)](packed, scores, where, n_blocks, BLOCK=1024,
-                                                             num_warps=4)
+        launch(_index_scores_unpack_kernel, (cdiv(n_blocks, 1024),), packed, scores, where, n_blocks, BLOCK=1024,
+               num_warps=4)
     return scores, where

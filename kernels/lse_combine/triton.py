@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels._gdc import grid_dependency_wait, use_pdl
-from kernels._triton_common import check_device, launch_context
+from kernels._triton_common import check_device, launch, launch_context
 
 
 _SPLITS_PAD = 256
@@ -63,7 +63,7 @@ def combine_splits_triton(out_part: torch.Tensor, lse_part: torch.Tensor, out_dt
     pdl = use_pdl(out_part.device)
     with launch_context(out_part.device):
         # Split over D too: a row alone would walk all splits serially.
-        _lse_combine_kernel[(R, D // block_d)](
+        launch(_lse_combine_kernel, (R, D // block_d),
             out_part, lse_part, out, lse, S,
             # One padded width for every split count up to 256 (masked lanes cost nothing measurable): one
             # compilation serves documents of every length.

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels import cdiv
-from kernels._triton_common import check_device, launch_context
+from kernels._triton_common import check_device, launch, launch_context
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def rotate_rows_triton(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
         return out
     block_r = max(1, min(64, 4096 // D))
     with launch_context(x.device):
-        _rotate_rows_fwd_kernel[(cdiv(R, block_r), B * H)](
+        launch(_rotate_rows_fwd_kernel, (cdiv(R, block_r), B * H),
             x, positions, cos, sin, out, R, H, cos.shape[0], x.stride(0), x.stride(1), x.stride(2),
             out.stride(0), out.stride(1), out.stride(2), cos.stride(0),
             INVERSE=inverse, HALF=D // 2, BLOCK_R=block_r, num_warps=4, enable_fp_fusion=False,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_common import check_device, launch_context
+from kernels._triton_common import check_device, launch, launch_context
 
 
 @triton.jit
@@ -93,7 +93,7 @@ def plan_slots_triton(top: torch.Tensor, where: torch.Tensor | None, slots: torc
             raise ValueError(f"expected {name} of shape [{n}] int64 contiguous, got {tuple(t.shape)} {t.dtype}")
         check_device(name, t, slots.device)
     with launch_context(slots.device):
-        _plan_slots_kernel[(1,)](
+        launch(_plan_slots_kernel, (1,),
             top, where if where is not None else top, slots, load, key_pos, front if front is not None else key_pos,
             tally,
             k, n_slots, n_blocks, n_init, block - tail,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_common import check_device, launch_context
+from kernels._triton_common import check_device, launch, launch_context
 
 MAX_N = 128  # the map and both its prefix sums stay in registers up to this size (ltri-stream's blocks)
 
@@ -103,7 +103,7 @@ def span_candidates_triton(maps: torch.Tensor, theta: torch.Tensor, ratio_mode: 
     scratch = torch.empty(m, 2, n, n, dtype=torch.float64, device=maps.device)
     block = max(16, triton.next_power_of_2(n))
     with launch_context(maps.device):
-        _span_candidates_fwd_kernel[(m,)](
+        launch(_span_candidates_fwd_kernel, (m,),
             maps, theta, scratch, out, n, maps.stride(0), maps.stride(1),
             ROW=ratio_mode in ("row", "rowcol"), COL=ratio_mode in ("col", "rowcol"), BLOCK=block,
             BLOCK_S=max(1, 4096 // block), num_warps=16 if block >= 128 else 4,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_common import check_device, launch_context
+from kernels._triton_common import check_device, launch, launch_context
 from kernels.span_rows.reference import span_counts
 
 
@@ -88,7 +88,7 @@ def span_rows_triton(cands: torch.Tensor, votes: torch.Tensor, lam: float, lo: i
         return out.bool()
     cands = cands.contiguous()
     with launch_context(cands.device):
-        _span_rows_fwd_kernel[(m,)](
+        launch(_span_rows_fwd_kernel, (m,),
             cands, span_counts(cands, lam), votes.float().contiguous(), out, C, n, lo, hi, float(iou),
             BLOCK_C=triton.next_power_of_2(C), BLOCK_N=triton.next_power_of_2(n), num_warps=4,
         )

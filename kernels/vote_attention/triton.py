@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_common import check_device, launch_context
+from kernels._triton_common import check_device, launch, launch_context
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -193,7 +193,7 @@ def vote_attention_triton(
     k_strides = (k.stride(0), k.stride(1), k.stride(2))
     with launch_context(q.device):
         block_m, block_n, warps, stages = _config(_FWD_CONFIG, D)
-        _vote_attention_fwd_kernel[(triton.cdiv(T, block_m), B * Hq)](
+        launch(_vote_attention_fwd_kernel, (triton.cdiv(T, block_m), B * Hq),
             q, k, v, key_pos, out, lse, qk_scale, offset, W, T, Hq, group,
             *q_strides, *k_strides, v.stride(0), v.stride(1), v.stride(2),
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
@@ -205,7 +205,7 @@ def vote_attention_triton(
         votes_part = torch.empty(B * Hkv, W, device=q.device, dtype=torch.float32)
         own_part = torch.empty(B * Hkv, n_own, n_own, device=q.device, dtype=torch.float32)
         block_m, block_n, warps, stages = _config(_VOTES_CONFIG, D)
-        _vote_attention_votes_kernel[(triton.cdiv(W, block_n), B * Hkv)](
+        launch(_vote_attention_votes_kernel, (triton.cdiv(W, block_n), B * Hkv),
             q, k, key_pos, lse, votes_part, own_part, qk_scale, offset, W, T, n_own, Hkv, group,
             *q_strides, *k_strides,
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
