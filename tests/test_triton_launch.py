@@ -52,3 +52,14 @@ def test_cached_launches_match_triton_launches_across_specialisations(dtype):
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def test_specialisation_keys_separate_what_triton_compiles_apart():
+    from kernels._triton_common import _specialisation as spec
+
+    x = torch.zeros(64)
+    assert spec(x) == spec(torch.zeros(3)) and spec(x[4:]) == spec(x)  # 16-byte aligned fp32 either way
+    assert spec(x[1:]) != spec(x) and spec(x.half()) != spec(x)  # off alignment; another dtype
+    assert spec(3) == spec(5) and spec(32) == spec(48)
+    assert len({spec(1), spec(3), spec(16), spec(2 ** 31), spec(-16)}) == 4  # -16 and 16: both divisible, 32-bit
+    assert spec(True) != spec(1) and spec(None) != spec(0) and spec(0.5) == spec(2.0)
