@@ -20,7 +20,7 @@ def test_bench_tasks_end_to_end_next_to_dense(cli, tmp_path):
     """Two profiles' engines (star, resa) and the dense baseline, run once, on the same samples: each row's score
     and dense_score are the means of their own engine's sample scores."""
     out = tmp_path / "acc.json"
-    code, stdout, err = cli("bench", "--profile", "star,resa", "--tasks", "niah_single_1,vt", "--lengths", "1k",
+    code, stdout, err = cli("bench", "--profile", "star,resa", "--tasks", "niah_single_1,vt", "--lengths", "640",
                             "--samples", "1", "-n", "6", "--set", "min_block_size=256", "--json", out)
     assert code == 0, err
     assert stdout == ""
@@ -28,8 +28,8 @@ def test_bench_tasks_end_to_end_next_to_dense(cli, tmp_path):
     result = json.loads(out.read_text())
     assert result["mode"] == "accuracy" and result["model"] == "gemma3-270m"
     assert [(r["task"], r["length"], r["samples"], r["engine"]) for r in result["rows"]] == [
-        ("niah_single_1", 1024, 1, "star"), ("niah_single_1", 1024, 1, "resa"),
-        ("vt", 1024, 1, "star"), ("vt", 1024, 1, "resa")]
+        ("niah_single_1", 640, 1, "star"), ("niah_single_1", 640, 1, "resa"),
+        ("vt", 640, 1, "star"), ("vt", 640, 1, "resa")]
     # --set went to the profile that has the key.
     assert result["engine_settings"]["star"]["min_block_size"] == 256
     assert "min_block_size" not in result["engine_settings"]["resa"]
@@ -39,7 +39,7 @@ def test_bench_tasks_end_to_end_next_to_dense(cli, tmp_path):
         for run in sample["results"].values():
             assert sample["expected"] and isinstance(run["answer"], str)
             # The prompt fills the length minus the answer budget exactly (budget = min(RULER's, -n 6)).
-            assert run["prompt_tokens"] == 1024 - 6
+            assert run["prompt_tokens"] == 640 - 6
             found = sum(e.lower() in run["answer"].lower() for e in sample["expected"])
             assert run["score"] == pytest.approx(100 * found / len(sample["expected"]))
     for row in result["rows"]:

@@ -25,8 +25,9 @@ def _document_ids(lm, text: str, n: int) -> torch.Tensor:
 
 
 def test_greedy_equals_generate(lm, story_text):
-    """~1K-token document + question: the engine's greedy tokens equal model.generate's, token for token."""
-    ids = _document_ids(lm, story_text, 1000)
+    """700-token document (past the 512-token sliding window) + question: the engine's greedy tokens equal
+    model.generate's, token for token."""
+    ids = _document_ids(lm, story_text, 700)
     question = torch.tensor(lm.tokenizer("\n\nQuestion: What was the name of the schooner?\nAnswer:",
                                          add_special_tokens=False)["input_ids"])
     engine = _engine(lm, chunk_size=256)
@@ -44,11 +45,12 @@ def test_greedy_equals_generate(lm, story_text):
 
 @pytest.fixture(scope="module")
 def one_shot(lm, story_text):
-    """1,500 tokens of the story and transformers' one-shot last-token logits for them."""
-    ids = _document_ids(lm, story_text, 1500)
+    """1,100 tokens of the story (two chunks of 1,000, past the sliding window) and transformers' one-shot
+    last-token logits for them."""
+    ids = _document_ids(lm, story_text, 1100)
     lm.model.set_attn_implementation("sdpa")
     with torch.inference_mode():
-        return ids, lm.model(ids.view(1, -1)).logits[0, -1].float()
+        return ids, lm.model(ids.view(1, -1), logits_to_keep=1).logits[0, -1].float()
 
 
 @pytest.mark.parametrize("chunk", [97, 256, 1000, 4096], ids=lambda c: f"chunk{c}")
@@ -67,7 +69,7 @@ def test_sliding_window_layers_see_only_their_window(lm):
     ids = torch.randint(1000, 20000, (700,), generator=gen)
     lm.model.set_attn_implementation("sdpa")
     with torch.inference_mode():
-        ref = lm.model(ids.view(1, -1)).logits[0, -1].float()
+        ref = lm.model(ids.view(1, -1), logits_to_keep=1).logits[0, -1].float()
     got = _engine(lm, chunk_size=128).prefill(ids, reserve=1).last_logits[0]
     assert torch.allclose(got, ref, atol=1e-3 * ref.abs().max().item())
 
@@ -201,7 +203,7 @@ def test_teacher_forced_nll_equals_one_forward(lm, story_text):
     lm.model.set_attn_implementation("sdpa")
     full = torch.cat([ids, question, torch.tensor(targets)]).view(1, -1)
     with torch.inference_mode():
-        logp = torch.log_softmax(lm.model(full).logits[0].float(), dim=-1)
-    start = ids.numel() + question.numel() - 1
-    ref = [-logp[start + i, t].item() for i, t in enumerate(targets)]
+        # The logits of the question's last token and of each target but the last: those that score a target.
+        logp = torch.log_softmax(lm.model(full, logits_to_keep=len(targets) + 1).logits[0, :-1].float(), dim=-1)
+    ref = [-logp[i, t].item() for i, t in enumerate(targets)]
     assert nll == pytest.approx(ref, abs=1e-3)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -51,9 +52,32 @@ def document(lm):
     return doc, questions
 
 
-def _fresh(engine, doc, question, reserve):
-    state = engine.prefill(doc, reserve=reserve)
-    return list(engine.answer(state, question, NEW, Sampler()))
+@pytest.fixture(scope="module")
+def fresh_runs(lm, document):
+    """Per case, computed once for the checks below: the engine, the greedy answer to each question from a fresh
+    prefill of its own, and the first question's state, exported before it was answered (the tensors copied
+    after the answer, as a saved state would be) and kept as the answer left it."""
+    doc, questions = document
+    reserve = max(q.numel() for q in questions) + NEW
+    runs = {}
+
+    def run(name, settings):
+        key = (name, tuple(sorted(settings.items())))
+        if key not in runs:
+            engine = make_engine(lm, name, chunk_size=256, **settings)
+            want, first = [], None
+            for q in questions:
+                state = engine.prefill(doc, reserve=reserve)
+                exported = engine.export_state(state) if first is None else None
+                want.append(list(engine.answer(state, q, NEW, Sampler())))
+                if first is None:
+                    tensors, meta = exported
+                    first = SimpleNamespace(state=state, tensors={k: v.clone() for k, v in tensors.items()},
+                                            meta=meta)
+            runs[key] = SimpleNamespace(engine=engine, reserve=reserve, want=want, first=first)
+        return runs[key]
+
+    return run
 
 
 def test_reusable_engines_are_covered():
@@ -61,12 +85,11 @@ def test_reusable_engines_are_covered():
 
 
 @pytest.mark.parametrize("name, settings", CASES)
-def test_questions_in_a_row_equal_fresh_runs(lm, document, name, settings):
+def test_questions_in_a_row_equal_fresh_runs(document, fresh_runs, name, settings):
     doc, questions = document
-    engine = make_engine(lm, name, chunk_size=256, **settings)
-    reserve = max(q.numel() for q in questions) + NEW
-    want = [_fresh(engine, doc, q, reserve) for q in questions]
-    state = engine.prefill(doc, reserve=reserve)
+    fresh = fresh_runs(name, settings)
+    engine, want = fresh.engine, fresh.want
+    state = engine.prefill(doc, reserve=fresh.reserve)
     checkpoint = engine.checkpoint(state)
     got = []
     for q in [*questions, questions[0]]:
@@ -77,35 +100,30 @@ def test_questions_in_a_row_equal_fresh_runs(lm, document, name, settings):
 
 
 @pytest.mark.parametrize("name, settings", CASES)
-def test_exported_state_answers_as_a_fresh_prefill(lm, document, name, settings):
+def test_exported_state_answers_as_a_fresh_prefill(document, fresh_runs, name, settings):
     doc, questions = document
-    engine = make_engine(lm, name, chunk_size=256, **settings)
-    reserve = questions[0].numel() + NEW
-    state = engine.prefill(doc, reserve=reserve)
-    tensors, meta = engine.export_state(state)
-    want = list(engine.answer(state, questions[0], NEW, Sampler()))
-    copy = {k: v.clone() for k, v in tensors.items()}
-    json.dumps(meta)  # the scalars go into a JSON header
+    fresh = fresh_runs(name, settings)
+    engine, reserve = fresh.engine, fresh.reserve
+    copy = {k: v.clone() for k, v in fresh.first.tensors.items()}
+    json.dumps(fresh.first.meta)  # the scalars go into a JSON header
     if name == "sas-pattern":
         from engines.sas.analyzer import _plan_cache
 
         _plan_cache.cache_clear()
-    restored = engine.import_state(copy, meta, reserve + 5)  # other questions may need more room
+    restored = engine.import_state(copy, fresh.first.meta, reserve + 5)  # other questions may need more room
     if name == "sas-pattern":  # the plans came with the state: nothing was analysed again
         assert _plan_cache.cache_info().misses == 0
     assert restored.n_tokens == doc.numel() and restored.cache.capacity >= doc.numel() + reserve + 5
-    assert list(engine.answer(restored, questions[0], NEW, Sampler())) == want
+    assert list(engine.answer(restored, questions[0], NEW, Sampler())) == fresh.want[0]
 
 
-def test_saved_sliding_window_layers_keep_their_last_window(lm, document):
+def test_saved_sliding_window_layers_keep_their_last_window(lm, document, fresh_runs):
     """Gemma 3's sliding-window layers never attend a document's keys before its last window again, so a saved
     state keeps only those rows there; a state saved whole (as before) still reads back to the same answer."""
     doc, questions = document
-    engine = make_engine(lm, "dense", chunk_size=256)
-    reserve = questions[0].numel() + NEW
-    state = engine.prefill(doc, reserve=reserve)
-    tensors, meta = engine.export_state(state)
-    want = list(engine.answer(state, questions[0], NEW, Sampler()))
+    fresh = fresh_runs("dense", {})
+    engine, reserve, state, want = fresh.engine, fresh.reserve, fresh.first.state, fresh.want[0]
+    tensors, meta = fresh.first.tensors, fresh.first.meta
     window = lm.model.config.get_text_config(decoder=True).sliding_window
     n = doc.numel()
     assert window < n

@@ -16,7 +16,8 @@ from tests.conftest import greedy_answer, make_engine, story_ids
 
 pytestmark = pytest.mark.slow
 
-DOC_TOKENS, NEW_TOKENS = 700, 8
+# Past Gemma 3's 512-token sliding window; star's 64-token blocks are four, ltri's 256-token window sheds blocks.
+DOC_TOKENS, NEW_TOKENS = 600, 8
 
 # Per engine: settings under which it computes exactly what dense computes.
 EXACT = {
@@ -59,9 +60,20 @@ def _allocated(engine, state) -> int:
     return state.cache.nbytes() + state.counters.get("star_scratch_bytes", 0)
 
 
-@pytest.mark.parametrize("chunk_size", [128, 256])
-@pytest.mark.parametrize("profile, settings", PLANNED, ids=lambda x: x if isinstance(x, str) else
-                         ",".join(f"{k}={v}" for k, v in x.items()) or "defaults")
+# Engines whose plan does not read the chunk size (their state is the cache, descriptors per block, star's
+# scratch): the second chunk size repeats the first's check, so it runs in the long tier.
+CHUNK_FREE = {"dense", "star", "resa"}
+
+
+def _planned_cases():
+    for profile, settings in PLANNED:
+        label = ",".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
+        for chunk_size in (128, 256):
+            marks = pytest.mark.long if chunk_size == 128 and profile in CHUNK_FREE else ()
+            yield pytest.param(profile, settings, chunk_size, marks=marks, id=f"{profile}-{label}-{chunk_size}")
+
+
+@pytest.mark.parametrize("profile, settings, chunk_size", list(_planned_cases()))
 def test_memory_plan_equals_the_allocation(lm, story_text, profile, settings, chunk_size):
     doc, question = story_ids(lm, story_text, DOC_TOKENS)
     engine = make_engine(lm, profile, chunk_size=chunk_size, **settings)

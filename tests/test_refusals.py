@@ -78,6 +78,11 @@ def _doc(tmp_path: Path, name: str = "doc.txt", text: str = "The keeper lit the 
     return path
 
 
+def _story_start(tmp_path: Path) -> Path:
+    """The sample story's first six paragraphs (~620 tokens): the keeper, and the storm that brings the schooner."""
+    return _doc(tmp_path, "story.txt", "\n\n".join(SAMPLE.read_text(encoding="utf-8").split("\n\n")[:6]) + "\n")
+
+
 # --- usage (exit 2) ----------------------------------------------------------------------------------------------
 
 
@@ -201,8 +206,7 @@ def test_float16_refused_for_gemma3(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_several_questions_and_documents_as_json(capsys, monkeypatch, tmp_path):
-    story = SAMPLE.read_text(encoding="utf-8")
-    a = _doc(tmp_path, "a.txt", story)
+    a = _story_start(tmp_path)
     code, out, err = run_cli(["ask", "-q", "What was the name of the schooner?", "-q", "Who kept the light?",
                               str(a), str(tmp_path / "missing.txt"), "-n", "6", "--json"], capsys, monkeypatch)
     assert code == 8, err
@@ -227,7 +231,7 @@ def test_single_failing_document_still_prints_its_json(capsys, monkeypatch, tmp_
 
 
 @pytest.mark.slow
-def test_closed_stdout_exits_quietly_with_the_report(capsys, monkeypatch):
+def test_closed_stdout_exits_quietly_with_the_report(capsys, monkeypatch, tmp_path):
     import io
     import sys
 
@@ -240,8 +244,8 @@ def test_closed_stdout_exits_quietly_with_the_report(capsys, monkeypatch):
             return super().write(text)
 
     monkeypatch.setattr(sys, "stdout", Head())
-    code, _, err = run_cli(["ask", str(SAMPLE), "What was the name of the schooner?", "-n", "12"], capsys,
-                           monkeypatch)
+    code, _, err = run_cli(["ask", str(_story_start(tmp_path)), "What was the name of the schooner?", "-n", "12"],
+                           capsys, monkeypatch)
     assert code == 141, err
     assert "stopped: stdout closed" in err and "error" not in err
 
@@ -265,8 +269,8 @@ def test_sigterm_flushes_like_ctrl_c(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(DenseEngine, "answer", answer)
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        code, out, err = run_cli(["ask", str(SAMPLE), "What was the name of the schooner?", "-n", "12"], capsys,
-                                 monkeypatch)
+        code, out, err = run_cli(["ask", str(_story_start(tmp_path)), "What was the name of the schooner?", "-n",
+                                  "12"], capsys, monkeypatch)
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert code == 143, err

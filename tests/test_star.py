@@ -55,7 +55,7 @@ def test_phase1_kv_equal_the_papers_augmented_blocks(lm, story_text):
     assert diff > 1e-2
 
 
-def test_short_documents_get_fewer_blocks(capsys, monkeypatch):
+def test_short_documents_get_fewer_blocks(capsys, monkeypatch, tmp_path):
     """Blocks of a few hundred tokens lose needles dense finds: `blocks` gives way to min_block_size (one block
     is dense attention), except that every rank gets a block; the report says which rule cut the count."""
     assert len(plan_blocks(40_000, StarConfig(blocks=4)).bounds) == 2
@@ -64,9 +64,12 @@ def test_short_documents_get_fewer_blocks(capsys, monkeypatch):
     assert len(plan_blocks(70_000, StarConfig(blocks=4)).bounds) == 4
     assert len(plan_blocks(10_000, StarConfig(blocks=4, min_block_size=4096)).bounds) == 2
     answers = {}
-    # Two blocks whose anchor is the whole first block are dense attention too (the sample is ~1.4K tokens).
-    for name, args in (("star", []), ("star-2", ["--set", "min_block_size=700"]), ("dense", [])):
-        code, out, err = run_cli(["ask", str(SAMPLE), "What was the name of the schooner?", "-p", name[:5].strip("-"),
+    # Two blocks whose anchor is the whole first block are dense attention too (the story's first six
+    # paragraphs are ~620 tokens).
+    doc = tmp_path / "story.txt"
+    doc.write_text("\n\n".join(SAMPLE.read_text(encoding="utf-8").split("\n\n")[:6]) + "\n", encoding="utf-8")
+    for name, args in (("star", []), ("star-2", ["--set", "min_block_size=300"]), ("dense", [])):
+        code, out, err = run_cli(["ask", str(doc), "What was the name of the schooner?", "-p", name[:5].strip("-"),
                                   "-n", "6", "--json", "--state", "off", *args], capsys, monkeypatch)
         assert code == 0, err
         answers[name] = _json_answer(out)
@@ -106,18 +109,20 @@ def _ranked(args: list[str], stdin: str | None = None, env: dict | None = None) 
                           env=env, timeout=600)
 
 
-def test_ranks_over_gloo_answer_like_one_process(capsys, monkeypatch):
+def test_ranks_over_gloo_answer_like_one_process(capsys, monkeypatch, tmp_path):
     """`--gpus 2 --device cpu` spawns 2 gloo ranks (3 blocks: two on the first rank, one on the query rank); the
-    answer equals the one-process run of the same blocks. The document comes from stdin (read once by the
-    launcher, handed to every rank)."""
+    answer equals the one-process run of the same blocks. The document (the story's first six paragraphs, ~620
+    tokens) comes from stdin (read once by the launcher, handed to every rank)."""
+    text = "\n\n".join(SAMPLE.read_text(encoding="utf-8").split("\n\n")[:6]) + "\n"
+    doc = tmp_path / "story.txt"
+    doc.write_text(text, encoding="utf-8")
     common = ["--profile", "star", "--set", "blocks=3", "--set", "min_block_size=64", "--device", "cpu", "-n", "12",
               "--json", "--state", "off"]
-    code, out, err = run_cli(["ask", str(SAMPLE), "What was the name of the schooner?", *common], capsys,
+    code, out, err = run_cli(["ask", str(doc), "What was the name of the schooner?", *common], capsys,
                              monkeypatch)
     assert code == 0, err
     one = _json_answer(out)
-    proc = _ranked(["ask", "-", "What was the name of the schooner?", *common, "--gpus", "2"],
-                   stdin=SAMPLE.read_text())
+    proc = _ranked(["ask", "-", "What was the name of the schooner?", *common, "--gpus", "2"], stdin=text)
     assert proc.returncode == 0, proc.stderr[-3000:]
     many = _json_answer(proc.stdout)  # printed once, by the query rank
     assert many["answer_ids"] == one["answer_ids"] and many["answer"].strip()
