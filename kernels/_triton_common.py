@@ -45,7 +45,8 @@ _CACHED_LAUNCH = not INTERPRET
 
 
 # The current stream's handle, as Triton itself reads it (torch.cuda.current_stream() builds a Python object: ~8 us).
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda device: torch.cuda.current_stream(device).cuda_stream)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
+                      lambda device: torch.cuda.current_stream(device).cuda_stream)
 
 
 def _specialisation(arg) -> tuple:
@@ -76,10 +77,15 @@ def launch(kernel, grid: tuple, *args, **options) -> None:
     entry = _LAUNCHERS.get(key)
     if entry is not None:
         compiled, tail = entry
-        grid = (*grid, 1, 1)
-        compiled.run(grid[0], grid[1], grid[2], _raw_stream(device), compiled.function, compiled.packed_metadata,
-                     None, None, None, *args, *tail)
-        return
+        full = (*grid, 1, 1)
+        try:
+            compiled.run(full[0], full[1], full[2], _raw_stream(device), compiled.function, compiled.packed_metadata,
+                         None, None, None, *args, *tail)
+            return
+        except TypeError:  # another Triton's launcher signature: refused before launching
+            _CACHED_LAUNCH = False
+            kernel[grid](*args, **options)
+            return
     compiled = kernel[grid](*args, **options)
     try:
         tail = tuple(options[name] for name in kernel.arg_names[len(args):])

@@ -195,7 +195,9 @@ class ContextMemory:
                 if b >= 0:
                     self.load(b, keys[:, s * block:(s + 1) * block], values[:, s * block:(s + 1) * block])
             return
-        ids = load if isinstance(load, torch.Tensor) else torch.tensor(load, dtype=torch.long).to(keys.device, non_blocking=True)
+        ids = load
+        if not isinstance(load, torch.Tensor):
+            ids = torch.tensor(load, dtype=torch.long).to(keys.device, non_blocking=True)
         gather_blocks(keys, values, self.keys.used, self.values.used, ids, self.scales.used if self.fp8 else None)
 
     def nbytes(self) -> int:

@@ -61,9 +61,9 @@ def plan_slots_reference(top: torch.Tensor, where: torch.Tensor | None, slots: t
                          key_pos: torch.Tensor, front: torch.Tensor | None, tally: torch.Tensor, *, n_blocks: int,
                          block: int, tail: int, n_init: int) -> None:
     """top [k] int64 block ids best first (distinct, k <= S), where [n_blocks] int64 offset of each block's best
-    index vector (read only with tail > 0; None without); written in place: slots [S] (block per slot, -1 empty), load [S]
-    (block each slot loads, -1 none), key_pos [S * block], front [S * block] (None: positions not re-assigned),
-    tally [2] += (successors, blocks loaded)."""
+    index vector (read only with tail > 0; None without); written in place: slots [S] (block per slot, -1 empty),
+    load [S] (block each slot loads, -1 none), key_pos [S * block], front [S * block] (None: positions not
+    re-assigned), tally [2] += (successors, blocks loaded)."""
     top_l = top.tolist()
     where_l = where[top].tolist() if tail else [0] * len(top_l)
     wanted, successors = choose_blocks(top_l, where_l, n_blocks, block, tail)
