@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import cdiv
+
 
 def _kernel():
     import triton
@@ -41,17 +43,13 @@ def test_cached_launches_match_triton_launches_across_specialisations(dtype):
         src = x[offset:]
         want = torch.empty(n, device="cuda", dtype=dtype)
         got = torch.full_like(want, float("nan"))
-        grid = (triton_cdiv(n, 256),)
+        grid = (cdiv(n, 256),)
         kernel[grid](src, want, n, 0.5, step, BLOCK=256, NEGATE=negate)
         launch(kernel, grid, src, got, n, 0.5, step, BLOCK=256, NEGATE=negate)
         torch.cuda.synchronize()
         assert torch.equal(got, want), (offset, n, step, negate)
     # Four specialisations were compiled and cached (the repeats went through the cache).
     assert sum(key[0] is kernel for key in _LAUNCHERS) == 4
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def test_specialisation_keys_separate_what_triton_compiles_apart():

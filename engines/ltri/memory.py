@@ -26,10 +26,11 @@ def _pinning() -> ThreadPoolExecutor:
     """Threads that allocate pinned slabs: a slab is first written when its layer first evicts, a window's worth of
     tokens into the document, so its allocation runs beside the prefill's first chunks.
 
-    How: cudaHostAlloc (PyTorch's default for pinned memory) pins at ~1.9 GB/s on an H200 machine (8.5 s for the
-    16 GiB of 128K tokens of an 8B model) and holds the driver while it does, halving another thread's launch rate;
-    touching ordinary pages (16 GB/s, several threads, no driver) and then registering them (cudaHostRegister,
-    16 GB/s) is PyTorch's other pinned allocator, asked for here unless PYTORCH_CUDA_ALLOC_CONF says otherwise."""
+    How: cudaHostAlloc (PyTorch's default for pinned memory) pins at ~1.9 GB/s on an H200 machine (sampled: ~7 s of
+    a 128K prefill of an 8B model, for its 16 GiB) and holds the driver while it does, halving another thread's
+    launch rate; touching ordinary pages (16 GB/s, several threads, no driver) and then registering them
+    (cudaHostRegister, 16 GB/s) is PyTorch's other pinned allocator, asked for here unless PYTORCH_CUDA_ALLOC_CONF
+    says otherwise."""
     global _PINNING
     if _PINNING is None:
         if "pinned_use_cuda_host_register" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
