@@ -235,8 +235,10 @@ class Engine(Reuse, AnswerLoop, ABC):
         chunk = self.run.chunk_size
         slot = start if slot is None else slot
         logits = None
+        # Sent once: a copy from pageable host memory per chunk would wait for the device to drain each time.
+        ids = ids.to(self.device, torch.long)
         for lo in range(0, ids.numel(), chunk):
-            piece = ids[lo:lo + chunk].to(self.device, torch.long).view(1, -1)
+            piece = ids[lo:lo + chunk].view(1, -1)
             positions = torch.arange(start + lo, start + lo + piece.shape[1], device=self.device).view(1, -1)
             cache.begin_chunk(slot + lo, piece.shape[1])
             logits = self._forward(cache, piece, positions)

@@ -30,7 +30,7 @@ from longctx_cli.errors import ConfigError, is_out_of_memory
 from longctx_cli.home import longctx_home
 from longctx_cli.models import load_model
 from longctx_cli.units import parse_count
-from longctx_cli.report import RANDOM_NOTE, memory_snapshot, reset_peaks, run_stamp
+from longctx_cli.report import RANDOM_NOTE, host_rss, memory_snapshot, reset_peaks, run_stamp
 
 err = Console(stderr=True)
 WARMUP_STEPS = 4
@@ -68,7 +68,8 @@ def measure(engine, ids: torch.Tensor, steps: int) -> dict:
     """Prefill ids [N] (the context), ask 8 more tokens, decode WARMUP_STEPS + steps tokens; the row's fields."""
     gen = torch.Generator().manual_seed(1)
     question = torch.randint(int(ids.min()), int(ids.max()) + 1, (8,), generator=gen)
-    reset_peaks()
+    reset_peaks(host=True)
+    rss_before = host_rss()[0]
     state = engine.prefill(ids, reserve=_reserve(steps))
     stream = engine.answer(state, question, WARMUP_STEPS + steps + 1, Sampler())
     times, last = [], None
@@ -83,7 +84,9 @@ def measure(engine, ids: torch.Tensor, steps: int) -> dict:
            "decode_ms_p10": deciles[0] and 1000 * deciles[0], "decode_ms_p90": deciles[-1] and 1000 * deciles[-1]}
     mem = memory_snapshot(state.cache.nbytes())
     peak = max(mem["peak_gpu_bytes"].values()) if mem["peak_gpu_bytes"] else mem["host_peak_rss_bytes"]
-    row.update(peak_gib=peak / 2**30, kv_cache_bytes=mem["kv_cache_bytes"], counters=engine.counters(state))
+    # The host's share of a run: resident memory before the prefill, and the most the prefill and answer added.
+    row.update(peak_gib=peak / 2**30, kv_cache_bytes=mem["kv_cache_bytes"], host_rss_before_gib=rss_before / 2**30,
+               host_peak_added_gib=(mem["host_peak_rss_bytes"] - rss_before) / 2**30, counters=engine.counters(state))
     del state, stream
     gc.collect()
     if torch.cuda.is_available():

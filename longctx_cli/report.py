@@ -70,23 +70,47 @@ class Report:
         return data
 
 
-def reset_peaks() -> None:
+def reset_peaks(host: bool = False) -> None:
+    """GPU peaks start again from what is held now; with `host`, on Linux, the host's peak resident set (VmHWM) too
+    (a report of `ask` keeps the process's own, model load included)."""
     import torch
 
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         torch.cuda.reset_peak_memory_stats(i)
+    if not host:
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM only (proc(5)); the pages' referenced bits stay
+    except OSError:
+        pass
+
+
+def host_rss() -> tuple[int, int]:
+    """(resident bytes now, peak since `reset_peaks(host=True)` or start) of this process; without /proc, the
+    lifetime peak (ru_maxrss) for both."""
+    fields = {}
+    try:
+        with open("/proc/self/status") as f:
+            fields = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                      if k in ("VmRSS", "VmHWM")}
+    except OSError:
+        pass
+    if len(fields) == 2:
+        return fields["VmRSS"], fields["VmHWM"]
+    scale = 1 if platform.system() == "Darwin" else 1024  # ru_maxrss is KiB on Linux, bytes on macOS
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    return peak, peak
 
 
 def memory_snapshot(kv_bytes: int = 0) -> dict:
-    """Peak GPU bytes per device since the last reset, host peak RSS of this process, KV-cache bytes."""
+    """Peak GPU bytes per device and host peak RSS of this process since their last reset, KV-cache bytes."""
     import torch
 
     gpus = {}
     if torch.cuda.is_available():
         gpus = {f"cuda:{i}": torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())}
-    scale = 1 if platform.system() == "Darwin" else 1024  # ru_maxrss is KiB on Linux, bytes on macOS
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-    return {"peak_gpu_bytes": gpus, "host_peak_rss_bytes": rss, "kv_cache_bytes": kv_bytes}
+    return {"peak_gpu_bytes": gpus, "host_peak_rss_bytes": host_rss()[1], "kv_cache_bytes": kv_bytes}
 
 
 def gib(n: float | None) -> str:

@@ -29,13 +29,18 @@ def brute(query, vectors, block, offset, n_blocks, chosen):
     return torch.tensor(scores, dtype=torch.float64), torch.tensor(where)
 
 
-def _case(A, N, heads, dim, n_blocks, dtype=torch.float32, seed=42, unchosen=0.3):
+def _case(A, N, heads, dim, n_blocks, dtype=torch.float32, seed=42, unchosen=0.3, skipped=0.1):
     g = torch.Generator().manual_seed(seed)
     query = torch.randn(A, heads, dim, generator=g)
     vectors = torch.randn(N, heads, dim, generator=g).to(dtype)
     # Every other block id at most, so that some blocks have no vector; offsets as in a 128-token block.
     block = torch.randint(0, max(1, n_blocks // 2), (N,), generator=g) * 2
     offset = torch.randint(0, 128, (N,), generator=g)
+    # Entries that hold no vector (block -1: a slot whose range had no row left), scaled up so that one counted by
+    # mistake would win its block; their offsets as the picks leave them (-1).
+    gone = torch.rand(N, generator=g) < skipped
+    block[gone], offset[gone] = -1, -1
+    vectors[gone] *= 100
     chosen = torch.rand(A, generator=g) >= unchosen
     return query, vectors, block, offset, chosen
 

@@ -308,6 +308,8 @@ class LtriCache(StaticKVCache):
         self.first_reading: list[dict] | None = None
         self.span_queue: list = []  # (layer, layer index, first block id, maps [k, block, block]) to divide
         self.pick_queue: list = []  # (layer, layer index, first block id, keys, votes) evicted, to index
+        # ([(layer, layer index, first block id, maps)], candidates in host memory, the copy's event) to divide
+        self.dividing: list = []
         self.question = False  # the chunk in flight is the question (see LtriConfig.compensate_question)
         self.memory_blocks: int | None = None  # initial context-memory slab size (None: the whole document's)
         self.lams: dict[int, float] = {}  # per layer, lam calibrated to LtriConfig.compression

@@ -141,7 +141,7 @@ class LtriEngine(Engine):
         self.check(self.model.config, self.config, self.run, ids.numel(), reserve)
         self._check_host_memory(ids.numel() + reserve)
         state = super().prefill(ids, reserve=reserve, progress=progress)
-        self.indexer.flush(state.cache)  # the last chunk's blocks, so that the counters are complete
+        self.indexer.flush(state.cache, complete=True)  # the last chunk's blocks: the counters are complete
         return state
 
     def _check_host_memory(self, n_tokens: int) -> None:
@@ -185,7 +185,7 @@ class LtriEngine(Engine):
             logits = super()._encode_question(state, question_ids, n_new)
         finally:
             cache.question = False
-        self.indexer.flush(cache)  # index what the question's chunk evicted (the counters count it)
+        self.indexer.flush(cache, complete=True)  # index what the question's chunk evicted (the counters count it)
         # A state saved before this counter existed lacks it.
         cache.stats["question_readings"] = cache.stats.get("question_readings", 0) + 1
         return logits

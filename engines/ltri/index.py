@@ -4,9 +4,11 @@ One Indexer per engine, holding settings only: a document's state (queues, lam c
 its LtriCache.
 The query side runs on the compute device without waiting for it: the chunk's own map (kernels/vote_attention),
 its span candidates (kernels/span_candidates) and the rows its spans choose (kernels/span_rows, a static count
-with a mask). The stored side is queued per layer and divided once per chunk for all layers (`flush`): candidates
-on the device, NMS on the host, index vectors picked by votes (the paper) or by farthest-point sampling of the
-keys on the device (`pick: cover`, kernels/farthest_point).
+with a mask). The stored side is queued per layer and handled once per chunk for all layers (`flush`), a chunk
+late so that the device never drains at a chunk boundary: candidates on the device, copied to pinned host memory
+while the next chunk runs, NMS on the host at the next flush; index vectors picked by votes (the paper) or by
+farthest-point sampling of the keys on the device (`pick: cover`, kernels/farthest_point), added to the index
+without the host learning how many were picked.
 """
 
 from __future__ import annotations
@@ -75,27 +77,65 @@ class Indexer:
         cache.span_queue.append((layer, layer_idx, first, sp.diagonal_blocks(own, lo, count, b)))
 
     @torch.inference_mode()
-    def flush(self, cache: LtriCache) -> None:
-        """Divides every queued block map into spans (one batched call, one device -> host copy), then picks
-        the index vectors of the blocks evicted since the last flush (`pick: cover`, batched over layers)."""
+    def flush(self, cache: LtriCache, complete: bool = False) -> None:
+        """At a chunk's start: divides the maps whose candidates the last flush sent to host memory, sends those
+        of the maps queued since, and indexes the blocks evicted since the last flush (`pick: cover`, batched over
+        layers); none of it waits for the chunk just issued. complete: divides every queued map now (a wait), as
+        after the document and the question, before counters and checkpoints.
+
+        The spans of a block are needed only when it leaves the window, chunks later; a chunk longer than the
+        window (or a short window) evicts blocks whose division is still in flight, and those are divided first.
+        With `compression` set, every flush divides what it sends: lam is calibrated on every span up to the
+        chunk's, as the paper's lookup is."""
+        self._divide_sent(cache)
         if cache.span_queue:
-            queue, cache.span_queue = cache.span_queue, []
-            # One batch per device: a model split over GPUs keeps each layer's maps on its layer's device.
-            by_device: dict[torch.device, list] = {}
-            for item in queue:
-                by_device.setdefault(item[-1].device, []).append(item)
-            for batch in by_device.values():
-                found_all = iter(sp.divide_many(torch.cat([maps for *_, maps in batch]), self.cfg.threshold,
-                                                self.cfg.iou, self.cfg.ratio_mode))
-                for layer, layer_idx, first, maps in batch:
-                    for k in range(maps.shape[0]):
-                        found = next(found_all)
-                        layer.pending[first + k] = found
-                        self._record(layer_idx, found, cache)
-                        cache.stats["spans"] += len(found)
+            self._send_candidates(cache)
+        if complete or self.cfg.compression is not None or any(self._dividing(cache, layer, first + keys.shape[1] // layer.block)
+                           for layer, _, first, keys, _ in cache.pick_queue):
+            self._divide_sent(cache)
         if cache.pick_queue:
             queue, cache.pick_queue = cache.pick_queue, []
             self._cover(queue, cache)
+
+    @staticmethod
+    def _dividing(cache: LtriCache, layer: LtriLayer, end: int) -> bool:
+        """Whether a block of `layer` before block `end` still waits for its spans."""
+        return any(item[0] is layer and item[2] < end for item in cache.span_queue) or any(
+            item[0] is layer and item[2] < end for items, _, _ in cache.dividing for item in items)
+
+    def _send_candidates(self, cache: LtriCache) -> None:
+        """The queued maps' span candidates, computed on their device (one batch per device: a model split over
+        GPUs keeps each layer's maps on its layer's device) and copied into pinned host memory without a wait."""
+        queue, cache.span_queue = cache.span_queue, []
+        by_device: dict[torch.device, list] = {}
+        for item in queue:
+            by_device.setdefault(item[-1].device, []).append(item)
+        for batch in by_device.values():
+            cands = sp.threshold_candidates(torch.cat([maps for *_, maps in batch]), self.cfg.threshold,
+                                            self.cfg.ratio_mode)
+            done = None
+            if cands.is_cuda:
+                host = torch.empty(cands.shape, dtype=cands.dtype, pin_memory=True)
+                host.copy_(cands, non_blocking=True)
+                done = torch.cuda.current_stream(cands.device).record_event()
+                cands = host
+            cache.dividing.append(([(layer, i, first, maps.shape[0]) for layer, i, first, maps in batch], cands,
+                                   done))
+
+    def _divide_sent(self, cache: LtriCache) -> None:
+        """NMS on the host over the candidates `_send_candidates` sent: the spans of each queued block, kept until
+        the block is indexed (`pending`)."""
+        sent, cache.dividing = cache.dividing, []
+        for items, cands, done in sent:
+            if done is not None:
+                done.synchronize()  # recorded a chunk ago: the device is normally past it
+            found_all = iter(sp.spans_of(cands.numpy(), self.cfg.iou))
+            for layer, layer_idx, first, count in items:
+                for k in range(count):
+                    found = next(found_all)
+                    layer.pending[first + k] = found
+                    self._record(layer_idx, found, cache)
+                    cache.stats["spans"] += len(found)
 
     def _pick(self, layer: LtriLayer, layer_idx: int, block_id: int, votes: torch.Tensor,
               cache: LtriCache) -> list[int]:
@@ -111,14 +151,15 @@ class Indexer:
         if n <= 0:
             return
         first = layer.first_full_block()
-        if any(q[0] is layer and q[2] < first + n for q in cache.span_queue):
-            self.flush(cache)  # a chunk longer than the window evicts blocks it completed itself
+        cover = self.cfg.index == "dynamic" and self.cfg.pick == "cover"
+        if not cover and self._dividing(cache, layer, first + n):
+            self.flush(cache, complete=True)  # a chunk longer than the window evicts blocks it completed itself
         start = layer.local_start
         keys, values, votes = layer.take_oldest(n * layer.block)
         cache.stats["device_to_host_bytes"] += layer.memory.add(keys, values)
         layer.summarize(first, keys, values)
         keys = layer.as_attended(keys, start)  # index vectors are matched against the chunk's queries
-        if self.cfg.index == "dynamic" and self.cfg.pick == "cover":
+        if cover:
             # Picked at the next flush, with every other layer's evicted blocks: the farthest-point steps are
             # small, and one batch per chunk instead of one per layer keeps long prefills from waiting on launches.
             cache.pick_queue.append((layer, layer_idx, first, keys, votes))
@@ -158,21 +199,28 @@ class Indexer:
             table = torch.tensor([r + [(0, -1)] * (width - len(r)) for *_, ranges in items for r in ranges],
                                  dtype=torch.long).view(-1, width, 2)
             feats = torch.cat([f for _, _, _, f, _, _ in items])
-            picks = farthest_point(feats, torch.cat([v for *_, v, _ in items]), table.to(feats.device))
-            # The picks come to the host once for every layer of the batch (how many vectors each layer adds
-            # is a host-side count), and their rows go back in one copy.
-            picks = picks.cpu()
-            rows, blocks, sizes = [], [], []
-            for (layer, first, _, f, _, _), p in zip(items, picks.split([f.shape[0] for *_, f, _, _ in items])):
-                block, slot = torch.nonzero(p >= 0, as_tuple=True)
-                rows.append(p[block, slot] + block * layer.block)
-                blocks.append(block + first)
-                sizes.append(block.numel())
-            n = sum(sizes)
-            at_device = torch.cat([*rows, *blocks]).to(feats.device)
-            rows, blocks = at_device[:n], at_device[n:]
-            for (layer, _, keys, f, _, _), r, b in zip(items, rows.split(sizes), blocks.split(sizes)):
-                layer.index.add(keys[:, r].transpose(0, 1), b, r % layer.block)
+            device = feats.device
+            picks = farthest_point(feats, torch.cat([v for *_, v, _ in items]), table.to(device, non_blocking=True))
+            # Every slot of every block becomes an entry, block by block: where the picks are in `picks` [m, width],
+            # the row in its layer's keys of the block's first token, and the block's id, all known on the host. A
+            # slot whose range had no row left (pick -1) stays an entry of block -1, which the scores skip, so the
+            # host never waits to learn how many rows were picked.
+            cells, base, ids, sizes = [], [], [], []
+            m = 0
+            for layer, first, _, _, _, ranges in items:
+                for i, r in enumerate(ranges):
+                    cells.extend(range((m + i) * width, (m + i) * width + len(r)))
+                    base.extend([i * layer.block] * len(r))
+                    ids.extend([first + i] * len(r))
+                m += len(ranges)
+                sizes.append(sum(map(len, ranges)))
+            cells, base, ids = torch.tensor([cells, base, ids], dtype=torch.long).to(device, non_blocking=True)
+            picked = picks.view(-1)[cells]
+            rows = picked.clamp(min=0) + base
+            blocks = torch.where(picked >= 0, ids, -1)
+            for (layer, _, keys, f, _, _), r, b, o in zip(items, rows.split(sizes), blocks.split(sizes),
+                                                          picked.split(sizes)):
+                layer.index.add(keys[:, r].transpose(0, 1), b, o)
                 cache.stats["blocks_indexed"] += f.shape[0]
 
     def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling,
@@ -250,7 +298,7 @@ class Indexer:
         stats = cache.stats
         if not full:
             return {}
-        vectors = sum(layer.index.n for layer in full)
+        vectors = sum(layer.index.count() for layer in full)
         blocks = stats["blocks_indexed"]
 
         def per_layer(values) -> str:

@@ -207,7 +207,9 @@ class ContextMemory:
 
 class IndexMemory:
     """Index vectors of one layer: vectors [N, Hkv, D] and block [N] on the compute device; at most `limit`
-    of them (a document's blocks times max_vectors: what the memory plan counts)."""
+    of them (a document's blocks times max_vectors: what the memory plan counts). An entry of block -1 holds no
+    vector (a picking slot that found no row): entries are added without the host learning how many were picked,
+    and the scores skip those."""
 
     def __init__(self, heads: int, dim: int, dtype: torch.dtype, device: torch.device, limit: int):
         self.vectors = _Growable((heads, dim), dtype, device, False, capacity=256, limit=limit)
@@ -216,7 +218,12 @@ class IndexMemory:
 
     @property
     def n(self) -> int:
+        """Entries, those of block -1 included."""
         return self.vectors.n
+
+    def count(self) -> int:
+        """Index vectors held (entries of a block): one wait, where counters are read."""
+        return int((self.block.used >= 0).sum()) if self.n else 0
 
     def add(self, vectors: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
         self.vectors.append(vectors)

@@ -48,8 +48,8 @@ def _index_scores_fwd_kernel(
     bits = best.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     off = tl.load(Offset + rows, mask=row_ok, other=0).to(tl.int64)
-    blk = tl.load(Block + rows, mask=row_ok, other=0)
-    tl.atomic_max(Packed + blk, (key.to(tl.int64) << 32) + off, mask=row_ok)
+    blk = tl.load(Block + rows, mask=row_ok, other=-1)
+    tl.atomic_max(Packed + blk, (key.to(tl.int64) << 32) + off, mask=row_ok & (blk >= 0))
 
 
 @triton.jit
