@@ -690,3 +690,27 @@ def test_context_memory_adopts_saved_blocks_and_appends_after_them(fp8):
         part.load(i, *got)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert all(torch.equal(a, b) for a, b in zip(part.stored(), saved))
+
+
+@pytest.mark.parametrize("lo, hi", [(4, 12), (12, 48), (4, 100), (40, 8)], ids=["lo4-hi12", "lo12-hi48", "lo4-hi100",
+                                                                                "lo40-hi8"])
+def test_slot_table_is_slot_ranges_for_every_block(lo, hi):
+    """The batched slot table (the stored side's, one call per chunk) gives each block `slot_ranges`' slots, in its
+    order, on spans divided from random maps and on blocks never divided (the whole block); lam per block."""
+    import numpy as np
+
+    from kernels.span_candidates.reference import span_candidates_reference
+
+    g = torch.Generator().manual_seed(42)
+    n = 32
+    maps = torch.rand(24, n, n, generator=g) ** 4 * torch.ones(n, n).tril()
+    spans, counts = sp.kept_spans(span_candidates_reference(maps, sp.quantile_threshold(maps, 0.9), "row").numpy(),
+                                  0.1)
+    spans, counts = np.concatenate([spans, sp.whole_block(n)[None].repeat(spans.shape[1], 1)]), np.append(counts, 1)
+    lams = np.linspace(0.5, 20.0, len(counts))
+    table, slots = sp.slot_table(spans, counts, lams, lo, hi, n)
+    for row, k, lam, got, m in zip(spans, counts, lams, table, slots):
+        want = sp.slot_ranges(sp.as_spans(row[:k]), float(lam), lo, hi, n)
+        assert m == len(want) and [tuple(r) for r in got[:m].tolist()] == want
+        assert (got[m:] == np.array([0, -1])).all()
+    assert counts.min() >= 1 and (slots >= min(lo, n)).all()

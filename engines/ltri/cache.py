@@ -42,7 +42,7 @@ class LtriLayer(OwnedRowsLayer):
         self.local_start = n_init  # position of local row 0
         self._slots = [-1] * (n_retrieved // block)  # block id per retrieval slot (`slot_ids` once initialized)
         self.n_held = 0  # slots holding a block, known on the host without reading `slot_ids`
-        self.pending: dict[int, list] = {}  # block id -> spans, for blocks still in the window
+        self.pending: dict = {}  # block id -> its spans [k, 4] (spans.kept_spans), for blocks still in the window
         self.peak_rows = 0  # most valid rows ever held (measured at every chunk)
 
     @staticmethod

@@ -13,6 +13,7 @@ without the host learning how many were picked.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engines.ltri import spans as sp
@@ -42,12 +43,13 @@ class Indexer:
     def _allocate(self, layer_idx: int, found: list[sp.Span], votes: torch.Tensor, cache: LtriCache) -> list[int]:
         return sp.allocate(found, votes, self.lam(layer_idx, cache), self.cfg.min_vectors, self.cfg.max_vectors)
 
-    def _record(self, layer_idx: int, found: list[sp.Span], cache: LtriCache) -> None:
-        """Keeps spans for the per-layer lam lookup (section 3.3.2) when a target compression is set."""
+    def _record(self, layer_idx: int, found: np.ndarray, cache: LtriCache) -> None:
+        """Keeps spans ([k, 4] rows of `kept_spans`) for the per-layer lam lookup (section 3.3.2) when a target
+        compression is set."""
         if self.cfg.compression is None or layer_idx < _FIRST_LAYERS:
             return
         seen = cache.lam_samples.setdefault(layer_idx, [])
-        seen.extend((s.length, s.confidence) for s in found)
+        seen.extend(zip((found[:, 1] - found[:, 0] + 1).astype(np.int64).tolist(), found[:, 3].tolist()))
         del seen[:-_CALIBRATION_SPANS]
         lengths = torch.tensor([n for n, _ in seen], dtype=torch.float64)
         conf = torch.tensor([c for _, c in seen], dtype=torch.float64)
@@ -90,7 +92,8 @@ class Indexer:
         self._divide_sent(cache)
         if cache.span_queue:
             self._send_candidates(cache)
-        if complete or self.cfg.compression is not None or any(self._dividing(cache, layer, first + keys.shape[1] // layer.block)
+        complete = complete or self.cfg.compression is not None
+        if complete or any(self._dividing(cache, layer, first + keys.shape[1] // layer.block)
                            for layer, _, first, keys, _ in cache.pick_queue):
             self._divide_sent(cache)
         if cache.pick_queue:
@@ -129,21 +132,24 @@ class Indexer:
         for items, cands, done in sent:
             if done is not None:
                 done.synchronize()  # recorded a chunk ago: the device is normally past it
-            found_all = iter(sp.spans_of(cands.numpy(), self.cfg.iou))
+            spans, counts = sp.kept_spans(cands.numpy(), self.cfg.iou)
+            cache.stats["spans"] += int(counts.sum())
+            m = 0
             for layer, layer_idx, first, count in items:
                 for k in range(count):
-                    found = next(found_all)
+                    found = spans[m + k, :counts[m + k]]
                     layer.pending[first + k] = found
                     self._record(layer_idx, found, cache)
-                    cache.stats["spans"] += len(found)
+                m += count
 
     def _pick(self, layer: LtriLayer, layer_idx: int, block_id: int, votes: torch.Tensor,
               cache: LtriCache) -> list[int]:
         """Rows (within the block) whose keys become the block's index vectors."""
         if self.cfg.index == "static":
             return votes.topk(min(self.cfg.repr_topk, votes.numel())).indices.tolist()
-        found = layer.pending.pop(block_id, None) or [sp.Span(0, votes.numel() - 1, 0.0, 1.0)]
-        return self._allocate(layer_idx, found, votes, cache)
+        found = layer.pending.pop(block_id, None)
+        found = sp.whole_block(votes.numel()) if found is None else found
+        return self._allocate(layer_idx, sp.as_spans(found), votes, cache)
 
     def evict(self, layer: LtriLayer, layer_idx: int, cache: LtriCache) -> None:
         """Whole blocks past the window go to CPU memory, indexed by their span index vectors."""
@@ -177,7 +183,7 @@ class Indexer:
 
     def _cover(self, queue: list, cache: LtriCache) -> None:
         """`pick: cover` for queued evictions (layer, layer index, first block id, keys [Hkv, n * block, D], votes
-        [n * block]): Eq. 7's count per block (`slot_ranges`), picked by farthest-point sampling of the keys (of
+        [n * block]): Eq. 7's count per block (`slot_table`), picked by farthest-point sampling of the keys (of
         the retrieval head's KV head when the layer has one, the head retrieval scores), on the device, in one
         batch per feature width."""
         groups: dict[int, list] = {}
@@ -188,40 +194,47 @@ class Indexer:
             if layer_idx in self.heads:
                 feats = keys[self.heads[layer_idx][0] // (self.n_heads // keys.shape[0])][None]
             feats = feats.view(feats.shape[0], n, b, -1).permute(1, 2, 0, 3).flatten(2)  # [n, block, F]
-            ranges = [sp.slot_ranges(layer.pending.pop(first + i, None) or [sp.Span(0, b - 1, 0.0, 1.0)],
-                                     self.lam(layer_idx, cache), self.cfg.min_vectors, self.cfg.max_vectors, b)
-                      for i in range(n)]
+            found = [layer.pending.pop(first + i, None) for i in range(n)]
             # Batched per feature width and device (a model split over GPUs: each layer's keys on its own).
             groups.setdefault((feats.shape[-1], feats.device), []).append(
-                (layer, first, keys, feats, votes.view(n, b), ranges))
+                (layer, first, keys, feats, votes.view(n, b), [sp.whole_block(b) if f is None else f for f in found],
+                 self.lam(layer_idx, cache)))
         for items in groups.values():
-            width = max(len(r) for *_, ranges in items for r in ranges)
-            table = torch.tensor([r + [(0, -1)] * (width - len(r)) for *_, ranges in items for r in ranges],
-                                 dtype=torch.long).view(-1, width, 2)
-            feats = torch.cat([f for _, _, _, f, _, _ in items])
-            device = feats.device
-            picks = farthest_point(feats, torch.cat([v for *_, v, _ in items]), table.to(device, non_blocking=True))
-            # Every slot of every block becomes an entry, block by block: where the picks are in `picks` [m, width],
-            # the row in its layer's keys of the block's first token, and the block's id, all known on the host. A
-            # slot whose range had no row left (pick -1) stays an entry of block -1, which the scores skip, so the
-            # host never waits to learn how many rows were picked.
-            cells, base, ids, sizes = [], [], [], []
-            m = 0
-            for layer, first, _, _, _, ranges in items:
-                for i, r in enumerate(ranges):
-                    cells.extend(range((m + i) * width, (m + i) * width + len(r)))
-                    base.extend([i * layer.block] * len(r))
-                    ids.extend([first + i] * len(r))
-                m += len(ranges)
-                sizes.append(sum(map(len, ranges)))
-            cells, base, ids = torch.tensor([cells, base, ids], dtype=torch.long).to(device, non_blocking=True)
-            picked = picks.view(-1)[cells]
-            rows = picked.clamp(min=0) + base
-            blocks = torch.where(picked >= 0, ids, -1)
-            for (layer, _, keys, f, _, _), r, b, o in zip(items, rows.split(sizes), blocks.split(sizes),
-                                                          picked.split(sizes)):
-                layer.index.add(keys[:, r].transpose(0, 1), b, o)
-                cache.stats["blocks_indexed"] += f.shape[0]
+            self._cover_group(items, cache)
+
+    def _cover_group(self, items: list, cache: LtriCache) -> None:
+        """Picks and indexes the blocks of items (layer, first block id, keys, feats [n, block, F], votes [n, block],
+        spans of each block, lam) whose feats share a width and a device."""
+        b = items[0][0].block
+        found = [f for item in items for f in item[5]]
+        spans = np.zeros((len(found), max(len(f) for f in found), 4))
+        for i, f in enumerate(found):
+            spans[i, :len(f)] = f
+        lams = np.repeat([item[6] for item in items], [len(item[5]) for item in items])
+        table, slots = sp.slot_table(spans, np.array([len(f) for f in found]), lams, self.cfg.min_vectors,
+                                     self.cfg.max_vectors, b)
+        # Every slot of every block becomes an entry, block by block: where its pick lands in `picks` [m, width],
+        # the row in its layer's keys of the block's first token, and the block's id, all known on the host. A slot
+        # whose range had no row left (pick -1) stays an entry of block -1, which the scores skip, so the host never
+        # waits to learn how many rows were picked.
+        block, slot = np.nonzero(np.arange(table.shape[1]) < slots[:, None])
+        local = np.concatenate([np.arange(len(item[5])) for item in items])
+        first = np.repeat([item[1] for item in items], [len(item[5]) for item in items])
+        host = torch.from_numpy(np.stack([block * table.shape[1] + slot, local[block] * b, (first + local)[block]]))
+        feats = torch.cat([item[3] for item in items])
+        device = feats.device
+        pinned = device.type == "cuda"
+        table, host = (torch.from_numpy(table), host) if not pinned else (
+            torch.from_numpy(table).pin_memory(), host.pin_memory())  # copied without a wait for the device
+        picks = farthest_point(feats, torch.cat([item[4] for item in items]), table.to(device, non_blocking=True))
+        cells, base, ids = host.to(device, non_blocking=True)
+        picked = picks.view(-1)[cells]
+        rows = picked.clamp(min=0) + base
+        blocks = torch.where(picked >= 0, ids, -1)
+        sizes = np.add.reduceat(slots, np.cumsum([0] + [len(item[5]) for item in items[:-1]])).tolist()
+        for item, r, bl, o in zip(items, rows.split(sizes), blocks.split(sizes), picked.split(sizes)):
+            item[0].index.add(item[2][:, r].transpose(0, 1), bl, o)
+            cache.stats["blocks_indexed"] += len(item[5])
 
     def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling,
                        cache: LtriCache) -> tuple[torch.Tensor, torch.Tensor]:

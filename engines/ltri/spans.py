@@ -114,10 +114,11 @@ def threshold_candidates(maps: torch.Tensor, threshold: float, ratio_mode: str =
     return candidates(maps, quantile_threshold(maps, threshold), ratio_mode)
 
 
-def spans_of(cands: np.ndarray, iou: float) -> list[list[Span]]:
+def kept_spans(cands: np.ndarray, iou: float) -> tuple[np.ndarray, np.ndarray]:
     """The spans of each map from its candidates [m, 2n - 1, 4] on the host (`candidates`): NMS over those with
-    TA > 0, best first; the whole map when there is none."""
-    n = (cands.shape[1] + 1) // 2
+    TA > 0, best first -> spans [m, K, 4] (start, end, score, confidence as float64; rows past a map's count are
+    padding) and counts [m] >= 1: a map without any candidate is one whole-map span."""
+    m, n = cands.shape[0], (cands.shape[1] + 1) // 2
     score = cands[..., 2]
     valid = score > 0
     # Best first; the stable sort keeps ties in midpoint order, and the others (key +inf) go last.
@@ -126,12 +127,30 @@ def spans_of(cands: np.ndarray, iou: float) -> list[list[Span]]:
     ranked = np.take_along_axis(cands, order[..., None], axis=1)
     kept = greedy_nms(ranked[..., 0].astype(np.int32), ranked[..., 1].astype(np.int32),
                        np.take_along_axis(valid, order, axis=1), iou)
-    picked = np.take_along_axis(ranked, np.maximum(kept, 0)[..., None], axis=1)
-    starts, ends = picked[..., 0].astype(np.int64).tolist(), picked[..., 1].astype(np.int64).tolist()
-    scores, confidences = picked[..., 2].tolist(), picked[..., 3].tolist()
+    if kept.shape[1] == 0:
+        kept = np.full((m, 1), -1)
+    spans = np.take_along_axis(ranked, np.maximum(kept, 0)[..., None], axis=1).astype(np.float64)
+    counts = (kept >= 0).sum(axis=1)
     # No candidate: the whole map, which has no neighbours inside it, so fully confident.
-    return [list(map(Span._make, zip(*(column[:k] for column in columns)))) or [Span(0, n - 1, 0.0, 1.0)]
-            for k, *columns in zip((kept >= 0).sum(axis=1).tolist(), starts, ends, scores, confidences)]
+    spans[counts == 0, 0] = (0, n - 1, 0.0, 1.0)
+    return spans, np.maximum(counts, 1)
+
+
+def as_spans(rows: np.ndarray) -> list[Span]:
+    """Span tuples from `kept_spans` rows [k, 4]."""
+    return list(map(Span._make, zip(rows[:, 0].astype(np.int64).tolist(), rows[:, 1].astype(np.int64).tolist(),
+                                    rows[:, 2].tolist(), rows[:, 3].tolist())))
+
+
+def whole_block(n: int) -> np.ndarray:
+    """The spans of a block never divided: the whole block, fully confident ([1, 4], as `kept_spans` gives)."""
+    return np.array([[0, n - 1, 0.0, 1.0]])
+
+
+def spans_of(cands: np.ndarray, iou: float) -> list[list[Span]]:
+    """`kept_spans` as a list of Span tuples per map."""
+    spans, counts = kept_spans(cands, iou)
+    return [as_spans(rows[:k]) for rows, k in zip(spans, counts.tolist())]
 
 
 def span_count(length: int, confidence: float, lam: float) -> int:
@@ -160,6 +179,28 @@ def slot_ranges(found: list[Span], lam: float, lo: int, hi: int, n: int) -> list
             break
     out = out[:hi]
     return out + [(0, n - 1)] * max(0, min(lo, n) - len(out))
+
+
+def slot_table(spans: np.ndarray, counts: np.ndarray, lam, lo: int, hi: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """`slot_ranges` of many n-token blocks at once: spans [B, K, 4] best first with counts [B] (`kept_spans`), lam
+    a float or [B] ->
+    ranges [B, W, 2] int64, W the most slots of any block, (0, -1) past a block's slots, and slots [B]. Each span
+    has Eq. 7's count of slots, served best first, hi in all; the span's own range takes its first slot, the whole
+    block every other, then whole-block slots up to lo."""
+    B, K = spans.shape[:2]
+    length = spans[..., 1] - spans[..., 0] + 1
+    lam = np.broadcast_to(np.asarray(lam, dtype=np.float64).reshape(-1, 1), (B, 1))
+    k = np.minimum(length, np.round(length * spans[..., 3] ** lam))  # span_count, rounded half to even
+    k = np.where(np.arange(K) < counts[:, None], k, 0).astype(np.int64)
+    first = np.cumsum(k, axis=1) - k  # each span's first slot
+    slots = np.maximum(np.minimum(hi, k.sum(axis=1)), min(lo, n))
+    width = max(1, int(slots.max(initial=0)))
+    ranges = np.zeros((B, width, 2), dtype=np.int64)
+    ranges[..., 1] = n - 1
+    ranges[np.arange(width) >= slots[:, None]] = (0, -1)
+    b, i = np.nonzero((k > 0) & (first < hi))
+    ranges[b, first[b, i]] = spans[b, i, :2].astype(np.int64)
+    return ranges, slots
 
 
 def calibrate_lambda(lengths: torch.Tensor, confidence: torch.Tensor, target: float,

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 
 from engines.ltri.cache import LtriCache, LtriLayer
-from engines.ltri.spans import Span
 from engines.positions import scalars as position_scalars
 from engines.positions import set_scalars as set_position_scalars
 
@@ -115,8 +115,7 @@ def export(cache: LtriCache) -> tuple[dict, dict]:
                 n = layer.memory.n_blocks
                 tensors[f"layers.{i}.summary_keys"] = layer.summary_keys[:, :, :n].clone()
                 tensors[f"layers.{i}.summary_values"] = layer.summary_values[:, :, :n].clone()
-        pending = {str(b): [[s.start, s.end, s.score, s.confidence] for s in spans]
-                   for b, spans in layer.pending.items()}
+        pending = {str(b): spans.tolist() for b, spans in layer.pending.items()}  # [start, end, score, confidence]
         layers.append({**_scalars(layer), "pending": pending})
     return tensors, {"layers": layers, "cache": _cache_scalars(cache)}
 
@@ -150,6 +149,6 @@ def load(cache: LtriCache, tensors: dict, meta: dict, device_of) -> None:
                     saved = tensors[f"layers.{i}.{name}"]
                     getattr(layer, name)[:, :, :saved.shape[2]] = saved
         _set_scalars(layer, values)
-        layer.pending = {int(b): [Span(int(a), int(e), float(s), float(c)) for a, e, s, c in spans]
+        layer.pending = {int(b): np.array(spans, dtype=np.float64).reshape(-1, 4)
                          for b, spans in values["pending"].items()}
     _set_cache_scalars(cache, meta["cache"])
