@@ -250,6 +250,49 @@ def test_flush_outside_inference_mode_indexes_blocks_made_inside_it():
     assert not cache.pick_queue
 
 
+def test_flush_divides_a_chunk_late_unless_a_pick_needs_the_spans():
+    """A chunk's block maps are divided at the next flush (their candidates travel meanwhile), so a flush never waits
+    for the chunk just issued; a pick of a block whose division was only just sent (a chunk longer than the window)
+    divides it at once, and gets its spans' slots, not the undivided block's."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from engines.ltri import LtriConfig
+    from engines.ltri.cache import LtriLayer
+    from engines.ltri.index import Indexer
+
+    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None)
+    b = 16
+    layer = LtriLayer(owner, n_init=4, n_retrieved=2 * b, n_local=2 * b, block=b, room=8, window=None, retrieve=True)
+    layer.lazy_initialization(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+    config = LtriConfig(block_size=b, n_init=b, n_local=2 * b, min_vectors=1, max_vectors=b, lam=20.0,
+                        successor_tail=0)
+    indexer = Indexer(config, SimpleNamespace(num_attention_heads=2))
+    g = torch.Generator().manual_seed(42)
+    # Two blocks of one chunk: causal attention maps (rows sum to 1).
+    maps = torch.softmax(torch.randn(2, b, b, generator=g) * 3 + torch.full((b, b), float("-inf")).triu(1), -1)
+    spans = [np.array([[s.start, s.end, s.score, s.confidence] for s in found])
+             for found in sp.divide_many(maps, config.threshold, config.iou, config.ratio_mode)]
+    cache = SimpleNamespace(span_queue=[(layer, 5, 0, maps)], dividing=[], pick_queue=[], lams={},
+                            stats={"blocks_indexed": 0, "spans": 0})
+    indexer.flush(cache)  # the next chunk's start: blocks 0 and 1 are sent, not divided
+    assert len(cache.dividing) == 1 and not layer.pending and cache.stats["spans"] == 0
+    indexer.flush(cache)  # a chunk later: divided
+    assert not cache.dividing and sorted(layer.pending) == [0, 1]
+    for got, want in zip((layer.pending[0], layer.pending[1]), spans):
+        np.testing.assert_array_equal(got, want)
+    # Blocks 2 and 3 queued in the chunk that also evicts block 2.
+    want, undivided = (sp.slot_table(x[None], np.array([len(x)]), 20.0, 1, b, b)[1][0]
+                       for x in (spans[0], sp.whole_block(b)))
+    assert want != undivided  # block 2's slots tell whether its spans were used
+    cache.span_queue.append((layer, 5, 2, maps))
+    cache.pick_queue.append((layer, 5, 2, torch.randn(2, b, 8, generator=g), torch.rand(b, generator=g)))
+    indexer.flush(cache)
+    assert not cache.dividing and not cache.pick_queue and sorted(layer.pending) == [0, 1, 3]
+    assert layer.index.n == want and cache.stats["spans"] == 2 * sum(map(len, spans))
+
+
 def test_retrieval_slots_keep_blocks_already_loaded():
     from types import SimpleNamespace
 
@@ -703,7 +746,7 @@ def test_slot_table_is_slot_ranges_for_every_block(lo, hi):
 
     g = torch.Generator().manual_seed(42)
     n = 32
-    maps = torch.rand(24, n, n, generator=g) ** 4 * torch.ones(n, n).tril()
+    maps = torch.softmax(torch.randn(24, n, n, generator=g) * 3 + torch.full((n, n), float("-inf")).triu(1), -1)
     spans, counts = sp.kept_spans(span_candidates_reference(maps, sp.quantile_threshold(maps, 0.9), "row").numpy(),
                                   0.1)
     spans, counts = np.concatenate([spans, sp.whole_block(n)[None].repeat(spans.shape[1], 1)]), np.append(counts, 1)
@@ -713,4 +756,4 @@ def test_slot_table_is_slot_ranges_for_every_block(lo, hi):
         want = sp.slot_ranges(sp.as_spans(row[:k]), float(lam), lo, hi, n)
         assert m == len(want) and [tuple(r) for r in got[:m].tolist()] == want
         assert (got[m:] == np.array([0, -1])).all()
-    assert counts.min() >= 1 and (slots >= min(lo, n)).all()
+    assert counts.min() >= 1 and counts.max() >= 4 and (slots >= min(lo, n)).all()
