@@ -68,7 +68,7 @@ def measure(engine, ids: torch.Tensor, steps: int) -> dict:
     """Prefill ids [N] (the context), ask 8 more tokens, decode WARMUP_STEPS + steps tokens; the row's fields."""
     gen = torch.Generator().manual_seed(1)
     question = torch.randint(int(ids.min()), int(ids.max()) + 1, (8,), generator=gen)
-    reset_peaks(host=True)
+    host_reset = reset_peaks(host=True)
     rss_before = host_rss()[0]
     state = engine.prefill(ids, reserve=_reserve(steps))
     stream = engine.answer(state, question, WARMUP_STEPS + steps + 1, Sampler())
@@ -84,9 +84,11 @@ def measure(engine, ids: torch.Tensor, steps: int) -> dict:
            "decode_ms_p10": deciles[0] and 1000 * deciles[0], "decode_ms_p90": deciles[-1] and 1000 * deciles[-1]}
     mem = memory_snapshot(state.cache.nbytes())
     peak = max(mem["peak_gpu_bytes"].values()) if mem["peak_gpu_bytes"] else mem["host_peak_rss_bytes"]
-    # The host's share of a run: resident memory before the prefill, and the most the prefill and answer added.
+    # The host's share of a run: resident memory before the prefill, and the most the prefill and answer added
+    # (None where the host's peak could not be reset: it would hold the model's load too).
+    added = (mem["host_peak_rss_bytes"] - rss_before) / 2**30 if host_reset else None
     row.update(peak_gib=peak / 2**30, kv_cache_bytes=mem["kv_cache_bytes"], host_rss_before_gib=rss_before / 2**30,
-               host_peak_added_gib=(mem["host_peak_rss_bytes"] - rss_before) / 2**30, counters=engine.counters(state))
+               host_peak_added_gib=added, counters=engine.counters(state))
     del state, stream
     gc.collect()
     if torch.cuda.is_available():

@@ -70,20 +70,21 @@ class Report:
         return data
 
 
-def reset_peaks(host: bool = False) -> None:
+def reset_peaks(host: bool = False) -> bool:
     """GPU peaks start again from what is held now; with `host`, on Linux, the host's peak resident set (VmHWM) too
-    (a report of `ask` keeps the process's own, model load included)."""
+    (a report of `ask` keeps the process's own, model load included). Returns whether the host's peak was reset."""
     import torch
 
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         torch.cuda.reset_peak_memory_stats(i)
     if not host:
-        return
+        return False
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM only (proc(5)); the pages' referenced bits stay
     except OSError:
-        pass
+        return False
+    return True
 
 
 def host_rss() -> tuple[int, int]:

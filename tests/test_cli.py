@@ -231,6 +231,8 @@ def test_bench_json(cli, tmp_path):
     assert {"engine", "context_tokens", "prefill_s", "decode_ms_per_token", "peak_gib"} <= row.keys()
     assert row["engine"] == "dense" and row["context_tokens"] == 256
     assert row["prefill_s"] > 0 and row["decode_ms_per_token"] > 0 and row["peak_gib"] > 0
+    # The host's resident memory before the prefill (the model's weights at least) and what the run added to it.
+    assert row["host_rss_before_gib"] > 0.5 and 0 <= row["host_peak_added_gib"] < row["host_rss_before_gib"]
     assert row["counters"]["decode_compiled_blocks"] is False
     assert row["counters"]["decode_fused_projections"] == "none"
 

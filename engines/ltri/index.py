@@ -147,9 +147,13 @@ class Indexer:
         """Rows (within the block) whose keys become the block's index vectors."""
         if self.cfg.index == "static":
             return votes.topk(min(self.cfg.repr_topk, votes.numel())).indices.tolist()
+        return self._allocate(layer_idx, sp.as_spans(self._spans(layer, block_id)), votes, cache)
+
+    @staticmethod
+    def _spans(layer: LtriLayer, block_id: int) -> np.ndarray:
+        """The spans of a block leaving the window ([k, 4], `kept_spans`): its division, or the whole block."""
         found = layer.pending.pop(block_id, None)
-        found = sp.whole_block(votes.numel()) if found is None else found
-        return self._allocate(layer_idx, sp.as_spans(found), votes, cache)
+        return sp.whole_block(layer.block) if found is None else found
 
     def evict(self, layer: LtriLayer, layer_idx: int, cache: LtriCache) -> None:
         """Whole blocks past the window go to CPU memory, indexed by their span index vectors."""
@@ -194,10 +198,9 @@ class Indexer:
             if layer_idx in self.heads:
                 feats = keys[self.heads[layer_idx][0] // (self.n_heads // keys.shape[0])][None]
             feats = feats.view(feats.shape[0], n, b, -1).permute(1, 2, 0, 3).flatten(2)  # [n, block, F]
-            found = [layer.pending.pop(first + i, None) for i in range(n)]
             # Batched per feature width and device (a model split over GPUs: each layer's keys on its own).
             groups.setdefault((feats.shape[-1], feats.device), []).append(
-                (layer, first, keys, feats, votes.view(n, b), [sp.whole_block(b) if f is None else f for f in found],
+                (layer, first, keys, feats, votes.view(n, b), [self._spans(layer, first + i) for i in range(n)],
                  self.lam(layer_idx, cache)))
         for items in groups.values():
             self._cover_group(items, cache)
@@ -206,11 +209,12 @@ class Indexer:
         """Picks and indexes the blocks of items (layer, first block id, keys, feats [n, block, F], votes [n, block],
         spans of each block, lam) whose feats share a width and a device."""
         b = items[0][0].block
+        per_item = [len(item[5]) for item in items]  # blocks of each item
         found = [f for item in items for f in item[5]]
         spans = np.zeros((len(found), max(len(f) for f in found), 4))
         for i, f in enumerate(found):
             spans[i, :len(f)] = f
-        lams = np.repeat([item[6] for item in items], [len(item[5]) for item in items])
+        lams = np.repeat([item[6] for item in items], per_item)
         table, slots = sp.slot_table(spans, np.array([len(f) for f in found]), lams, self.cfg.min_vectors,
                                      self.cfg.max_vectors, b)
         # Every slot of every block becomes an entry, block by block: where its pick lands in `picks` [m, width],
@@ -218,8 +222,8 @@ class Indexer:
         # whose range had no row left (pick -1) stays an entry of block -1, which the scores skip, so the host never
         # waits to learn how many rows were picked.
         block, slot = np.nonzero(np.arange(table.shape[1]) < slots[:, None])
-        local = np.concatenate([np.arange(len(item[5])) for item in items])
-        first = np.repeat([item[1] for item in items], [len(item[5]) for item in items])
+        local = np.concatenate([np.arange(k) for k in per_item])
+        first = np.repeat([item[1] for item in items], per_item)
         host = torch.from_numpy(np.stack([block * table.shape[1] + slot, local[block] * b, (first + local)[block]]))
         feats = torch.cat([item[3] for item in items])
         device = feats.device
@@ -231,10 +235,10 @@ class Indexer:
         picked = picks.view(-1)[cells]
         rows = picked.clamp(min=0) + base
         blocks = torch.where(picked >= 0, ids, -1)
-        sizes = np.add.reduceat(slots, np.cumsum([0] + [len(item[5]) for item in items[:-1]])).tolist()
-        for item, r, bl, o in zip(items, rows.split(sizes), blocks.split(sizes), picked.split(sizes)):
+        sizes = np.add.reduceat(slots, np.cumsum([0] + per_item[:-1])).tolist()
+        for item, k, r, bl, o in zip(items, per_item, rows.split(sizes), blocks.split(sizes), picked.split(sizes)):
             item[0].index.add(item[2][:, r].transpose(0, 1), bl, o)
-            cache.stats["blocks_indexed"] += len(item[5])
+            cache.stats["blocks_indexed"] += k
 
     def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling,
                        cache: LtriCache) -> tuple[torch.Tensor, torch.Tensor]:

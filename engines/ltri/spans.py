@@ -114,6 +114,11 @@ def threshold_candidates(maps: torch.Tensor, threshold: float, ratio_mode: str =
     return candidates(maps, quantile_threshold(maps, threshold), ratio_mode)
 
 
+def whole_block(n: int) -> np.ndarray:
+    """The spans of a block never divided: the whole block, fully confident ([1, 4], as `kept_spans` gives)."""
+    return np.array([[0, n - 1, 0.0, 1.0]])
+
+
 def kept_spans(cands: np.ndarray, iou: float) -> tuple[np.ndarray, np.ndarray]:
     """The spans of each map from its candidates [m, 2n - 1, 4] on the host (`candidates`): NMS over those with
     TA > 0, best first -> spans [m, K, 4] (start, end, score, confidence as float64; rows past a map's count are
@@ -129,10 +134,10 @@ def kept_spans(cands: np.ndarray, iou: float) -> tuple[np.ndarray, np.ndarray]:
                        np.take_along_axis(valid, order, axis=1), iou)
     if kept.shape[1] == 0:
         kept = np.full((m, 1), -1)
-    spans = np.take_along_axis(ranked, np.maximum(kept, 0)[..., None], axis=1).astype(np.float64)
+    spans = np.take_along_axis(ranked, np.maximum(kept, 0)[..., None], axis=1).astype(np.float64, copy=False)
     counts = (kept >= 0).sum(axis=1)
     # No candidate: the whole map, which has no neighbours inside it, so fully confident.
-    spans[counts == 0, 0] = (0, n - 1, 0.0, 1.0)
+    spans[counts == 0, 0] = whole_block(n)[0]
     return spans, np.maximum(counts, 1)
 
 
@@ -140,11 +145,6 @@ def as_spans(rows: np.ndarray) -> list[Span]:
     """Span tuples from `kept_spans` rows [k, 4]."""
     return list(map(Span._make, zip(rows[:, 0].astype(np.int64).tolist(), rows[:, 1].astype(np.int64).tolist(),
                                     rows[:, 2].tolist(), rows[:, 3].tolist())))
-
-
-def whole_block(n: int) -> np.ndarray:
-    """The spans of a block never divided: the whole block, fully confident ([1, 4], as `kept_spans` gives)."""
-    return np.array([[0, n - 1, 0.0, 1.0]])
 
 
 def spans_of(cands: np.ndarray, iou: float) -> list[list[Span]]:
