@@ -30,6 +30,7 @@ Positions past the model's context: `positions_for` (engines/positions.py).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import ABC
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from transformers.modeling_utils import AttentionInterface
 
+from engines import chunk_graphs
 from engines.answering import AnswerLoop
 from engines.cache import StaticKVCache, head_dim, kv_token_bytes, layer_types
 from engines.positions import Positions, context_limit, reassigns, rotary_module
@@ -237,14 +239,27 @@ class Engine(Reuse, AnswerLoop, ABC):
         logits = None
         # Sent once: a copy from pageable host memory per chunk would wait for the device to drain each time.
         ids = ids.to(self.device, torch.long)
-        for lo in range(0, ids.numel(), chunk):
-            piece = ids[lo:lo + chunk].view(1, -1)
-            positions = torch.arange(start + lo, start + lo + piece.shape[1], device=self.device).view(1, -1)
-            cache.begin_chunk(slot + lo, piece.shape[1])
-            logits = self._forward(cache, piece, positions)
-            if progress is not None:
-                progress(piece.shape[1])
+        graphs = self._prefill_graphs(ids.numel() // chunk)
+        if graphs is not None:
+            cache.prefill_graphs = True
+        with graphs.swapped(chunk) if graphs is not None else contextlib.nullcontext():
+            for lo in range(0, ids.numel(), chunk):
+                piece = ids[lo:lo + chunk].view(1, -1)
+                positions = torch.arange(start + lo, start + lo + piece.shape[1], device=self.device).view(1, -1)
+                cache.begin_chunk(slot + lo, piece.shape[1])
+                logits = self._forward(cache, piece, positions)
+                if progress is not None:
+                    progress(piece.shape[1])
         return logits[:, -1].float()
+
+    def _prefill_graphs(self, full_chunks: int) -> chunk_graphs.PrefillModules | None:
+        """The layers' norms and MLPs as CUDA graphs (engines/chunk_graphs.py) for a prefill of that many full chunks
+        on one GPU, where enough chunks repay the captures; None: the model's own modules (also for a model split
+        over GPUs, whose layers would each need their device made current around a replay)."""
+        if (self.run.prefill_graphs and self.device.type == "cuda" and self.single_device
+                and full_chunks >= chunk_graphs.PAYBACK_CHUNKS):
+            return chunk_graphs.for_model(self.model)
+        return None
 
     def prefill(self, ids: torch.Tensor, *, reserve: int,
                 progress: Callable[[int], None] | None = None) -> DocumentState:
@@ -279,6 +294,7 @@ class Engine(Reuse, AnswerLoop, ABC):
                 "decode_cuda_graph": f"one per device ({len(segments.segments)})" if per_device else graph,
                 "decode_compiled_blocks": blocks is not None and blocks.compiled,
                 "decode_fused_projections": "+".join(sorted(blocks.fused)) if blocks and blocks.fused else "none",
+                "prefill_cuda_graphs": state.cache.prefill_graphs,
                 **self.backends(), **state.counters,
                 **(state.cache.positions.counters() if state.cache.positions is not None else {})}
 

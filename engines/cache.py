@@ -129,6 +129,7 @@ class StaticKVCache(Cache):
         self.filled = 0  # host view of how many positions hold real K/V (prefill only)
         self.decoding = False
         self.compile_windows = True  # FlexAttention for windowed layers (Engine.prefill decides per document)
+        self.prefill_graphs = False  # the prefill replayed the layers' norms and MLPs as CUDA graphs
         self.positions = None  # engines/positions.py Positions where RoPE positions are re-assigned
         self._position: dict[torch.device, torch.Tensor] = {}
         self._length: dict[torch.device, torch.Tensor] = {}

@@ -34,7 +34,8 @@ from longctx_cli.report import RANDOM_NOTE, host_rss, memory_snapshot, reset_pea
 
 err = Console(stderr=True)
 WARMUP_STEPS = 4
-RUN_KEYS_RECORDED = ("chunk_size", "dtype", "decode_graph", "compile_decode", "fuse_projections")  # next to each engine's keys
+RUN_KEYS_RECORDED = ("chunk_size", "dtype", "decode_graph", "compile_decode", "fuse_projections",
+                     "prefill_graphs")  # next to each engine's keys
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30) -> float:

@@ -45,6 +45,8 @@ class RunSettings:
     compile_decode: bool = False
     # one GEMV for q, k and v, and one for gate and up, inside that graph (weights regrouped in place, no copy)
     fuse_projections: bool = True
+    # replay the layers' norms and MLPs (and ltri-stream's query side) as CUDA graphs in long GPU prefills
+    prefill_graphs: bool = True
     # Saved document states ($LONGCTX_HOME/states) are kept within this size; the least recently used go first.
     state_cache_gib: float = 20.0
 

@@ -85,7 +85,7 @@ class LtriEngine(Engine):
         if config.retrieval_heads == "auto" and not lm.random_weights:
             heads = cached_heads(self.model, lm.tokenizer, lm.name, full, self.home)
             self.activate()
-        self.indexer = Indexer(config, self.text_config, heads)
+        self.indexer = Indexer(config, self.text_config, heads, graphs=self.run.prefill_graphs and self.single_device)
 
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, longctx=None,

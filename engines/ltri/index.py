@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engines.chunk_graphs import PAYBACK_CHUNKS, ChunkGraph, graphable
 from engines.ltri import spans as sp
 from engines.ltri.cache import LtriCache, LtriLayer
 from kernels import cdiv
@@ -28,12 +29,15 @@ _CALIBRATION_SPANS = 4096  # most recent spans per layer kept for the lam lookup
 
 
 class Indexer:
-    def __init__(self, config, text_config, heads: dict[int, tuple[int, float]] | None = None):
-        """heads: {layer: (query head, retrieval score)}, from engines/ltri/heads.py (None: all heads)."""
-        self.cfg = config
+    def __init__(self, config, text_config, heads: dict[int, tuple[int, float]] | None = None, graphs: bool = False):
+        """heads: {layer: (query head, retrieval score)}, from engines/ltri/heads.py (None: all heads); graphs: the
+        query side of long GPU prefills replayed as CUDA graphs (run key prefill_graphs)."""
+        self.cfg, self.graphs = config, graphs
         self.n_heads = text_config.num_attention_heads
         self.heads = heads or {}
         self._weights: dict[tuple, torch.Tensor] = {}  # head_weights by (retrieval layer or None, device)
+        self._graphs: dict[tuple, ChunkGraph] = {}  # `_query_index` captured per (layer, device, chunk length)
+        self._graph_inputs: dict = {}  # the captured query and own keys, one of each shape for every layer
 
     def lam(self, layer_idx: int, cache: LtriCache) -> float:
         if layer_idx < _FIRST_LAYERS:
@@ -240,30 +244,52 @@ class Indexer:
             item[0].index.add(item[2][:, r].transpose(0, 1), bl, o)
             cache.stats["blocks_indexed"] += k
 
-    def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling,
-                       cache: LtriCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunk's query index vectors [A, Hq, D] and which of them count [A] bool: its own causal map
-        (kernels/vote_attention over the chunk's rows alone), block by block, divided into spans, the top-voted
-        queries of each span (Eq. 7, within the bounds of a block; kernels/span_rows). A is the most the bounds
-        allow, so nothing here waits for the device to learn how many were chosen."""
+    def _query_index(self, layer_idx: int, lam: float, query, own, own_pos, offset: int,
+                     scaling) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's query index vectors, head-weighted per KV head [A, Hkv, D] fp32, and which of them count
+        [A] bool: the chunk's own causal map (kernels/vote_attention of query [1, Hq, T, D] over its own keys own
+        [1, Hkv, T, D] at own_pos [T]), block by block, divided into spans, the top-voted queries of each span (Eq.
+        7, within the bounds of a block; kernels/span_rows). A is the most the bounds allow, so nothing here waits
+        for the device to learn how many were chosen."""
         T = query.shape[2]
-        end = layer.width
-        own = key[:, :, end - T:end]
-        _, votes, amap = vote_attention(query, own, own, layer.key_pos[end - T:end], cache.offset, scale=scaling,
-                                        n_own=T)
+        _, votes, amap = vote_attention(query, own, own, own_pos, offset, scale=scaling, n_own=T)
         # Divided block by block, like the stored side (a shorter last piece on its own).
-        b, cfg = layer.block, self.cfg
+        b, cfg = self.cfg.block_size, self.cfg
         full = T // b
         pieces = [(sp.diagonal_blocks(amap, 0, full, b), votes[:full * b].view(full, b))] if full else []
         if T % b:
             pieces.append((amap[None, full * b:, full * b:], votes[None, full * b:]))
-        lam = self.lam(layer_idx, cache)
         chosen = torch.cat([span_rows(sp.threshold_candidates(maps, cfg.threshold, cfg.ratio_mode), v, lam=lam,
                                       lo=cfg.min_vectors, hi=cfg.max_vectors, iou=cfg.iou).flatten()
                             for maps, v in pieces])
         most = sum(maps.shape[0] * min(cfg.max_vectors, maps.shape[-1]) for maps, _ in pieces)
         picked = torch.sort(chosen.to(torch.uint8), descending=True, stable=True).indices[:most]
-        return query[0][:, picked].transpose(0, 1), chosen[picked]
+        qvec = query[0][:, picked].transpose(0, 1)  # [A, Hq, D]
+        w = self.head_weights(layer_idx, query.device)
+        hkv = own.shape[1]
+        qw = (qvec.float() * w[None, :, None]).view(qvec.shape[0], hkv, -1, qvec.shape[-1]).sum(dim=2)
+        return qw, chosen[picked]
+
+    def _query_vectors(self, layer: LtriLayer, layer_idx: int, query, key, scaling,
+                       cache: LtriCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_query_index` of the chunk in flight (its rows the window's last T), replayed as a CUDA graph per layer
+        where every chunk has the same shapes (engines/chunk_graphs.py): a chunk wholly in the window, lam fixed
+        (no `compression`), and enough chunks left to repay the capture."""
+        T = query.shape[2]
+        end = layer.width
+        own = key[:, :, end - T:end]
+        lam = self.lam(layer_idx, cache)
+        graph = self._graphs.get((layer_idx, query.device, T))
+        steady = self.graphs and self.cfg.compression is None and cache.offset >= layer.n_init and graphable(query)
+        if not steady or (graph is None and cache.capacity - cache.offset < PAYBACK_CHUNKS * T):
+            return self._query_index(layer_idx, lam, query, own, layer.key_pos[end - T:end], cache.offset, scaling)
+        if graph is None:
+            # The own rows hold positions offset .. offset + T - 1: the same causal map as at positions 0 .. T - 1.
+            at = torch.arange(T, device=query.device)
+            graph = self._graphs[layer_idx, query.device, T] = ChunkGraph(
+                lambda q, k: self._query_index(layer_idx, lam, q, k, at, 0, scaling), f"query index L{layer_idx}",
+                self._graph_inputs)
+        return graph(query, own)
 
     def retrieve(self, layer: LtriLayer, layer_idx: int, query, key, scaling, cache: LtriCache) -> None:
         """Fills the retrieval slots with the layer's top_k blocks for this chunk (all blocks when they fit)."""
@@ -274,10 +300,7 @@ class Indexer:
         if n_blocks <= k:
             layer.load_blocks(torch.arange(n_blocks, device=query.device), None, n_blocks, 0)
         else:
-            qvec, chosen = self._query_vectors(layer, layer_idx, query, key, scaling, cache)
-            hkv = key.shape[1]
-            w = self.head_weights(layer_idx, query.device)
-            qw = (qvec.float() * w[None, :, None]).view(qvec.shape[0], hkv, -1, qvec.shape[-1]).sum(dim=2)
+            qw, chosen = self._query_vectors(layer, layer_idx, query, key, scaling, cache)
             scores, where = layer.index.block_scores(qw, n_blocks, chosen)
             scores = self._vote(layer_idx, scores, cache)
             # The successor rule (`successor_tail`): a block whose best-matching index vector lies in its last
@@ -340,5 +363,7 @@ class Indexer:
             "ltri_retrieval_heads": ", ".join(f"L{l}:h{h} ({s:.2f})" for l, (h, s) in sorted(self.heads.items()))
             or "none (all heads averaged)",
             "ltri_lambda": ", ".join(f"L{l}:{v:.1f}" for l, v in sorted(cache.lams.items())) or None,
+            # Layers whose query side replays as a CUDA graph (the engine's, kept across documents).
+            "ltri_query_graph_layers": sum(g.captured for g in self._graphs.values()) or None,
         }
         return {k: v for k, v in out.items() if v is not None}
