@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-# Full chunks a prefill needs before its work is captured: a capture costs about what 20-30 eager calls cost in
-# host time.
+# Full chunks a prefill needs before its work is captured: a capture took 0.7-3.4 ms on an H200 (the eager run it
+# starts with included), what 20-30 eager calls of a norm cost in host time.
 PAYBACK_CHUNKS = 32
 
 # Per device, a live graph whose memory pool the next capture shares. A pool lives as long as a graph captured into

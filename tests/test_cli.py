@@ -226,7 +226,7 @@ def test_bench_json(cli, tmp_path):
     # captured step: on CPU the counter says it did not happen).
     assert data["engine_settings"]["dense"] == {"engine": "dense", "chunk_size": 2048, "dtype": "auto",
                                                 "decode_graph": True, "compile_decode": True,
-                                                "fuse_projections": True}
+                                                "fuse_projections": True, "prefill_graphs": True}
     [row] = data["rows"]
     assert {"engine", "context_tokens", "prefill_s", "decode_ms_per_token", "peak_gib"} <= row.keys()
     assert row["engine"] == "dense" and row["context_tokens"] == 256
@@ -235,6 +235,7 @@ def test_bench_json(cli, tmp_path):
     assert row["host_rss_before_gib"] > 0.5 and 0 <= row["host_peak_added_gib"] < row["host_rss_before_gib"]
     assert row["counters"]["decode_compiled_blocks"] is False
     assert row["counters"]["decode_fused_projections"] == "none"
+    assert row["counters"]["prefill_cuda_graphs"] is False  # CPU: the model's own modules
 
 
 def test_bench_records_where_an_engine_runs_out_of_memory(cli, tmp_path, monkeypatch):
