@@ -109,8 +109,14 @@ class ChunkGraph:
             graph.capture_begin(pool=_pool(device), capture_error_mode="thread_local")
             try:
                 self.outputs = self.fn(*self.inputs)
-            finally:
-                graph.capture_end()
+            except BaseException:
+                # The capture's own error (out of memory, Ctrl-C) is the one to report, not the failed capture's.
+                try:
+                    graph.capture_end()
+                except RuntimeError:
+                    pass
+                raise
+            graph.capture_end()
         current.wait_stream(side)
         self.graph, self.key = graph, key
         _POOL_OWNERS[device] = self

@@ -194,7 +194,8 @@ def _query_rows_loop(query, key, scaling, block, cfg, lam) -> list[int]:
 @pytest.mark.parametrize("T", [256, 300, 77], ids=["T256-two-blocks", "T300-with-a-short-piece", "T77-one-short"])
 def test_query_vectors_are_the_rows_each_block_map_chooses(T):
     """The engine's query side (the chunk's map through vote_attention, span_rows per piece, a static count with a
-    mask) chooses the rows the one-map-at-a-time definition chooses, ordered by row."""
+    mask) chooses the rows the one-map-at-a-time definition chooses, ordered by row, each query vector weighted over
+    the heads of its KV head (no retrieval heads: all alike)."""
     from types import SimpleNamespace
 
     from engines.ltri.config import LtriConfig
@@ -210,7 +211,8 @@ def test_query_vectors_are_the_rows_each_block_map_chooses(T):
     query = torch.randn(1, Hq, T, D, generator=g)
     layer = SimpleNamespace(width=width, key_pos=key_pos, block=block)
     cache = SimpleNamespace(offset=offset, lams={})
-    qvec, chosen = indexer._query_vectors(layer, 7, query, key, D**-0.5, cache)
-    assert qvec.shape[0] == chosen.shape[0] <= T
+    qw, chosen = indexer._query_vectors(layer, 7, query, key, D**-0.5, cache)
+    assert qw.shape[0] == chosen.shape[0] <= T and qw.shape[1:] == (hkv, D)
     want = _query_rows_loop(query, key[:, :, width - T:], D**-0.5, block, cfg, indexer.lam(7, cache))
-    assert torch.equal(qvec[chosen], query[0][:, want].transpose(0, 1))
+    rows = query[0][:, want].transpose(0, 1).float()  # [A, Hq, D]
+    assert torch.equal(qw[chosen], (rows / Hq).view(len(want), hkv, Hq // hkv, D).sum(dim=2))
