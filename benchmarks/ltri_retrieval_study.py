@@ -110,11 +110,11 @@ def _needle_ranks(indexer, layer, layer_idx, query, key, scaling, cache, wanted)
     def weighted(q):  # [A, Hq, D] -> [A, Hkv, D]
         return (q.float() * w[None, :, None]).view(q.shape[0], hkv, -1, q.shape[-1]).sum(dim=2)
 
-    qvec, chosen = indexer._query_vectors(layer, layer_idx, query, key, scaling, cache)
-    qvec = qvec[chosen]
+    qw, chosen = indexer._query_vectors(layer, layer_idx, query, key, scaling, cache)  # weighted per KV head
+    qw = qw[chosen]
     allq = query[0].transpose(0, 1)
     keys = layer.memory.keys.used.float()  # [n, Hkv, block, D]
-    own = layer.index.block_scores(weighted(qvec), n_blocks)[0]
+    own = layer.index.block_scores(qw, n_blocks)[0]
     # The engine's own voting, on a copy of this chunk's votes so far (retrieve adds this layer's after us).
     votes = SimpleNamespace(chunk_votes=dict(cache.chunk_votes), first_reading=cache.first_reading,
                             question_chunks=cache.question_chunks)
@@ -122,11 +122,12 @@ def _needle_ranks(indexer, layer, layer_idx, query, key, scaling, cache, wanted)
     scores["no_vote"] = own
     scores["all_q"] = layer.index.block_scores(weighted(allq), n_blocks)[0]
     scores["last_q"] = layer.index.block_scores(weighted(allq[-1:]), n_blocks)[0]
-    sims = torch.einsum("akd,nkd->an", weighted(qvec), layer.index.vectors.used.float())  # [A, N]
+    held = layer.index.block.used >= 0  # entries of block -1 hold no vector
+    sims = torch.einsum("akd,nkd->an", qw, layer.index.vectors.used[held].float())  # [A, N]
     per_block = torch.full((sims.shape[0], n_blocks), float("-inf"))
-    per_block = per_block.scatter_reduce(1, layer.index.block.used.expand_as(sims), sims, reduce="amax")
+    per_block = per_block.scatter_reduce(1, layer.index.block.used[held].expand_as(sims), sims, reduce="amax")
     scores["sum"] = per_block.clamp(min=0).sum(dim=0)  # ColBERT-style: each query vector's best match, summed
-    scores["all_keys"] = torch.einsum("akd,nkbd->anb", weighted(qvec), keys).amax(dim=(0, 2))
+    scores["all_keys"] = torch.einsum("akd,nkbd->anb", qw, keys).amax(dim=(0, 2))
     last = query[0, :, -1].float()  # [Hq, D]
     logits = torch.einsum("hd,nhbd->hnb", last, keys.repeat_interleave(query.shape[1] // hkv, dim=1)) * scaling
     mass = torch.softmax(logits.flatten(1), dim=-1).view(logits.shape).sum(dim=-1)  # [Hq, n]
