@@ -116,3 +116,26 @@ def test_dispatch_on_cpu_is_the_reference():
     got = index_scores(query, vectors, block, offset, 12, chosen)
     want = index_scores_reference(query, vectors, block, offset, 12, chosen)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.triton
+def test_triton_keeps_every_bit_of_an_fp32_query_against_bf16_vectors():
+    """Queries that differ only in their lowest bits (1 + 2**-9 + k * 2**-20: a bf16 part, a second one and a third)
+    against bf16 vectors of ones: each block's score is exactly 16 times its best query, as in fp32, so the kernel's
+    split of the query into three bf16 parts loses nothing (two parts would round the k away)."""
+    from kernels.index_scores.triton import index_scores_triton
+
+    dim, n_blocks = 16, 4
+    k = torch.arange(1, 16, dtype=torch.float64)
+    query = (1 + 2.0**-9 + k * 2.0**-20).float()[:, None, None].expand(-1, 1, dim).contiguous()  # [15, 1, 16]
+    vectors = torch.ones(n_blocks, 1, dim, dtype=torch.bfloat16)
+    block, offset = torch.arange(n_blocks), torch.zeros(n_blocks, dtype=torch.long)
+    want = 16 * (1 + 2.0**-9 + 15 * 2.0**-20)
+    ref, _ = index_scores_reference(query, vectors, block, offset, n_blocks)
+    dev = [t.to(TRITON_DEVICE) for t in (query, vectors, block, offset)]
+    got, where = index_scores_triton(*dev, n_blocks)
+    assert ref.tolist() == [want] * n_blocks
+    assert got.cpu().tolist() == [want] * n_blocks and where.cpu().tolist() == [0] * n_blocks
+    for top in (9, 4, 1):  # only the queries up to k = top counted: the scores follow the low bits
+        got, _ = index_scores_triton(*dev, n_blocks, (k <= top).to(TRITON_DEVICE))
+        assert got.cpu().tolist() == [16 * (1 + 2.0**-9 + top * 2.0**-20)] * n_blocks

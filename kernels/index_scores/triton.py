@@ -3,8 +3,12 @@ folds each vector's best score into its block's with one 64-bit atomic max; a se
 
 The packed word is the score's float bits made order-preserving as a signed int32 (negative floats get their
 magnitude bits flipped) in the high half and the vector's offset in its block in the low half, so the max picks
-the best score and, among equal scores, the largest offset: the reference's tie rule. Dot products are fp32
-("ieee", no TF32), as the reference's einsum.
+the best score and, among equal scores, the largest offset: the reference's tie rule.
+
+Dot products are fp32 sums of exact products, as the reference's einsum, but not in fp32 FMA tiles: for bf16 index
+vectors (the models' dtype on a GPU) each fp32 query is split into three bf16 parts whose sum is exactly the query
+(8 + 8 + 8 significant bits), and each part's products with a bf16 vector are exact, so three TF32 tensor-core
+products accumulated in fp32 give the dot product to fp32 rounding; other dtypes take fp32 ("ieee") dots.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ _EMPTY = -(2 ** 63)  # a block no vector reached: its high half, -2**31, is no f
 def _index_scores_fwd_kernel(
     Q, Chosen, V, Block, Offset, Packed,
     n_vec, n_q, n_feat, stride_qa, stride_vn,
-    HAS_CHOSEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_CHOSEN: tl.constexpr, SPLIT_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n_vec
@@ -40,7 +45,18 @@ def _index_scores_fwd_kernel(
                         other=0.0).to(tl.float32)
             q = tl.load(Q + qa[None, :] * stride_qa + f[:, None], mask=f_ok[:, None] & q_ok[None, :],
                         other=0.0).to(tl.float32)
-            acc += tl.dot(v, q, input_precision="ieee")
+            if SPLIT_Q:
+                # Every operand here is a bf16 value, exact in TF32 too: TF32 products are exact (and Triton's
+                # interpreter, which multiplies bf16 operands wrongly, computes the same).
+                q_hi = q.to(tl.bfloat16).to(tl.float32)
+                rest = q - q_hi
+                q_mid = rest.to(tl.bfloat16).to(tl.float32)
+                q_lo = (rest - q_mid).to(tl.bfloat16).to(tl.float32)
+                acc = tl.dot(v, q_hi, acc, input_precision="tf32")
+                acc = tl.dot(v, q_mid, acc, input_precision="tf32")
+                acc = tl.dot(v, q_lo, acc, input_precision="tf32")
+            else:
+                acc += tl.dot(v, q, input_precision="ieee")
         if HAS_CHOSEN:
             q_ok = q_ok & (tl.load(Chosen + qa, mask=q_ok, other=0) != 0)
         acc = tl.where(q_ok[None, :], acc, float("-inf"))
@@ -97,7 +113,8 @@ def index_scores_triton(query: torch.Tensor, vectors: torch.Tensor, block: torch
             launch(_index_scores_fwd_kernel, (cdiv(N, 64),),
                 query, chosen.view(torch.uint8) if chosen is not None else query, vectors, block, offset, packed,
                 N, A, heads * dim, query.stride(0), vectors.stride(0),
-                HAS_CHOSEN=chosen is not None, BLOCK_N=64, BLOCK_A=block_a, BLOCK_K=64, num_warps=4,
+                HAS_CHOSEN=chosen is not None, SPLIT_Q=vectors.dtype == torch.bfloat16, BLOCK_N=64, BLOCK_A=block_a,
+                BLOCK_K=64, num_warps=4,
             )
         launch(_index_scores_unpack_kernel, (cdiv(n_blocks, 1024),), packed, scores, where, n_blocks, BLOCK=1024,
                num_warps=4)
