@@ -188,6 +188,18 @@ class PrefillModules:
         return sum(g.replays for *_, graphed in self.slots for g in graphed.graphs.values())
 
 
+def kept_bytes(config, tokens: int, dtype_bytes: int) -> int:
+    """Device bytes a model's prefill graphs keep for chunks of `tokens` tokens, before its weights are loaded (for
+    `longctx plan`): each decoder layer's norm and MLP outputs and one shared input; 0 where the modules stay eager.
+    Gemma 2 and 3 layers have four norms, the other supported families two."""
+    text = config.get_text_config(decoder=True)
+    one = tokens * text.hidden_size * dtype_bytes
+    if one > _MAX_INPUT_BYTES:
+        return 0
+    norms = 4 if text.model_type.startswith(("gemma2", "gemma3")) else 2
+    return (text.num_hidden_layers * (norms + 1) + 1) * one
+
+
 _PREFILL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

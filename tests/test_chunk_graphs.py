@@ -125,3 +125,14 @@ def test_ltri_prefill_with_graphs_retrieves_as_without(monkeypatch):
         for x, y in ((a.index.vectors.used, b.index.vectors.used), (a.index.block.used, b.index.block.used)):
             assert torch.equal(x, y)
     torch.testing.assert_close(s1.last_logits, s0.last_logits, rtol=0, atol=0)
+
+
+def test_plan_counts_the_graphs_kept_buffers():
+    """`longctx plan`'s activations include what the prefill graphs keep: per layer its norms' and MLP's outputs
+    (Gemma 3: four norms) and one shared input, for chunks small enough to be graphed."""
+    from longctx_cli.models import load_config
+
+    llama, gemma = load_config("random:llama-3.1-8b"), load_config("random:gemma3-270m")
+    assert chunk_graphs.kept_bytes(llama, 512, 2) == (32 * 3 + 1) * 512 * 4096 * 2
+    assert chunk_graphs.kept_bytes(llama, 2048, 2) == 0  # 16 MiB a chunk: eager
+    assert chunk_graphs.kept_bytes(gemma, 512, 2) == (18 * 5 + 1) * 512 * 640 * 2
