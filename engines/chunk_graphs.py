@@ -1,8 +1,8 @@
 """A prefill chunk's fixed-shape work replayed as CUDA graphs.
 
 Chunked prefill calls the same small functions with the same shapes at every chunk of a long document, and on a
-GPU such a prefill is bound by the host issuing them: ~13 us of host time per PyTorch operation against a few us
-of device time. A `ChunkGraph` captures a function once for inputs of one shape and replays it at later calls: the
+GPU such a prefill is bound by the host issuing them: 10-11 us of host time for a small PyTorch operation on an
+H200 machine (benchmarks/README.md), against a few us of device time. A `ChunkGraph` captures a function once for inputs of one shape and replays it at later calls: the
 new inputs are copied into the captured ones (one copy each), the graph is launched (one call), and the outputs
 are the captured ones, written again at each replay.
 
