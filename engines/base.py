@@ -239,7 +239,7 @@ class Engine(Reuse, AnswerLoop, ABC):
         logits = None
         # Sent once: a copy from pageable host memory per chunk would wait for the device to drain each time.
         ids = ids.to(self.device, torch.long)
-        graphs = self._prefill_graphs(ids.numel() // chunk)
+        graphs = self._prefill_graphs(ids.numel())
         if graphs is not None:
             cache.prefill_graphs = True
         with graphs.swapped(chunk) if graphs is not None else contextlib.nullcontext():
@@ -252,12 +252,12 @@ class Engine(Reuse, AnswerLoop, ABC):
                     progress(piece.shape[1])
         return logits[:, -1].float()
 
-    def _prefill_graphs(self, full_chunks: int) -> chunk_graphs.PrefillModules | None:
-        """The layers' norms and MLPs as CUDA graphs (engines/chunk_graphs.py) for a prefill of that many full chunks
-        on one GPU, where enough chunks repay the captures; None: the model's own modules (also for a model split
-        over GPUs, whose layers would each need their device made current around a replay)."""
-        if (self.run.prefill_graphs and self.device.type == "cuda" and self.single_device
-                and full_chunks >= chunk_graphs.PAYBACK_CHUNKS):
+    def _prefill_graphs(self, n_tokens: int) -> chunk_graphs.PrefillModules | None:
+        """The layers' norms and MLPs as CUDA graphs (engines/chunk_graphs.py) for a prefill of n_tokens on one GPU
+        (`chunk_graphs.graphed`); None: the model's own modules (also for a model split over GPUs, whose layers
+        would each need their device made current around a replay)."""
+        if (self.device.type == "cuda" and self.single_device
+                and chunk_graphs.graphed(self.model.config, self.run, n_tokens, self.model.dtype.itemsize)):
             return chunk_graphs.for_model(self.model)
         return None
 

@@ -1,10 +1,10 @@
 """A prefill chunk's fixed-shape work replayed as CUDA graphs.
 
 Chunked prefill calls the same small functions with the same shapes at every chunk of a long document, and on a
-GPU such a prefill is bound by the host issuing them: 10-11 us of host time for a small PyTorch operation on an
-H200 machine (benchmarks/README.md), against a few us of device time. A `ChunkGraph` captures a function once for inputs of one shape and replays it at later calls: the
-new inputs are copied into the captured ones (one copy each), the graph is launched (one call), and the outputs
-are the captured ones, written again at each replay.
+GPU such a prefill is bound by the host issuing them: a small PyTorch operation costs 10-11 us of host time on an
+H200 host (benchmarks/README.md) against a few us of device time. A `ChunkGraph` captures a function once for
+inputs of one shape and replays it at later calls: the new inputs are copied into the captured ones (one copy
+each), the graph is launched (one call), and the outputs are the captured ones, written again at each replay.
 
 Rules for what may be graphed: the function reads only its tensor inputs and tensors that keep their address
 (weights, settings made once), waits for nothing on the host, and its results are consumed before the same graph
@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 # Full chunks a prefill needs before its work is captured: a capture took 0.7-3.4 ms on an H200 (the eager run it
-# starts with included), what 20-30 eager calls of a norm cost in host time.
+# starts with included), the host time of 20-40 eager calls of a norm (8 operations of 10-11 us).
 PAYBACK_CHUNKS = 32
 
 # Per device, a live graph whose memory pool the next capture shares. A pool lives as long as a graph captured into
@@ -124,8 +124,8 @@ class ChunkGraph:
 
 
 _GRAPHED_SUFFIXES = ("MLP", "RMSNorm")
-# Largest input a graphed module takes (bytes): past it a chunk's products are long enough to hide the host's
-# launches, and each graph keeps an output of that size.
+# Largest chunk input ([tokens, hidden]) whose modules are graphed (bytes): past it a chunk's products are long
+# enough to hide the host's launches, and each graph keeps an output of that size.
 _MAX_INPUT_BYTES = 8 << 20
 
 
@@ -140,7 +140,7 @@ class _Graphed(torch.nn.Module):
         self.tokens = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-2] != self.tokens or x.numel() * x.element_size() > _MAX_INPUT_BYTES:
+        if x.shape[-2] != self.tokens:
             return self.module(x)
         graph = self.graphs.get(self.tokens)
         if graph is None:
@@ -198,6 +198,13 @@ def kept_bytes(config, tokens: int, dtype_bytes: int) -> int:
         return 0
     norms = 4 if text.model_type.startswith(("gemma2", "gemma3")) else 2
     return (text.num_hidden_layers * (norms + 1) + 1) * one
+
+
+def graphed(config, run, n_tokens: int, dtype_bytes: int) -> bool:
+    """Whether a prefill of n_tokens replays the layers' norms and MLPs as graphs, on one GPU (run: the run settings):
+    the run key is on, enough full chunks repay the captures, and a chunk is small enough (`kept_bytes`)."""
+    return (run.prefill_graphs and n_tokens // run.chunk_size >= PAYBACK_CHUNKS
+            and kept_bytes(config, run.chunk_size, dtype_bytes) > 0)
 
 
 _PREFILL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

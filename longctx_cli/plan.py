@@ -9,7 +9,6 @@ from rich.table import Table
 
 from engines import ENGINES, chunk_graphs
 from engines.cache import head_dim
-from engines.chunk_graphs import PAYBACK_CHUNKS
 from engines.config import STREAMING, reads_past_context
 from longctx_cli.errors import ConfigError
 from longctx_cli.inputs import collect_documents, iter_text, tokenize_stream
@@ -63,7 +62,7 @@ def estimate(profile, config, n_tokens: int) -> dict:
     kv = engine.memory_plan(config, capacity, dtype_bytes, profile.engine_config, chunk_size=run.chunk_size,
                             reserve=run.max_new_tokens + QUESTION_TOKENS)
     act = activation_bytes(config, min(run.chunk_size, capacity), capacity, dtype_bytes, device)
-    if device.type == "cuda" and not split and run.prefill_graphs and n_tokens // run.chunk_size >= PAYBACK_CHUNKS:
+    if device.type == "cuda" and not split and chunk_graphs.graphed(config, run, n_tokens, dtype_bytes):
         act += chunk_graphs.kept_bytes(config, run.chunk_size, dtype_bytes)  # kept while the model is loaded
     layers = {}
     if split:

@@ -136,3 +136,15 @@ def test_plan_counts_the_graphs_kept_buffers():
     assert chunk_graphs.kept_bytes(llama, 512, 2) == (32 * 3 + 1) * 512 * 4096 * 2
     assert chunk_graphs.kept_bytes(llama, 2048, 2) == 0  # 16 MiB a chunk: eager
     assert chunk_graphs.kept_bytes(gemma, 512, 2) == (18 * 5 + 1) * 512 * 640 * 2
+
+
+def test_graphs_only_where_enough_small_chunks_repay_the_captures():
+    from longctx_cli.models import load_config
+    from longctx_cli.profiles import RunSettings
+
+    llama = load_config("random:llama-3.1-8b")
+    run = RunSettings(chunk_size=512)
+    assert chunk_graphs.graphed(llama, run, 32 * 512, 2)
+    assert not chunk_graphs.graphed(llama, run, 32 * 512 - 1, 2)  # 31 full chunks
+    assert not chunk_graphs.graphed(llama, RunSettings(chunk_size=2048), 10**6, 2)  # 16 MiB a chunk
+    assert not chunk_graphs.graphed(llama, RunSettings(chunk_size=512, prefill_graphs=False), 10**6, 2)
