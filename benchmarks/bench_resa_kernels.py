@@ -142,40 +142,49 @@ def sweep_sparse(shape: str = "llama-3.1-8b", length: int = 131072) -> list[dict
     return rows
 
 
-def sweep_select(lengths: list[int], rule: KeepRule, shape: str = "llama-3.1-8b") -> list[dict]:
-    """Scoring tile and warps, and the top-k's warps, of block selection with softmax pooling (one layer, median
-    ms; top-k warps 0 = the launcher's rule)."""
+def sweep_select(lengths: list[int], rule: KeepRule, shape: str = "llama-3.1-8b", int8: bool = False) -> list[dict]:
+    """Block selection with the histogram, as the engine calls it (one layer, median ms): the scoring tile and
+    warps, then the binned top-k's chunk and warps (softmax pooling) or the one-program top-k's warps (mean
+    pooling; 0 = the launcher's rule). int8: int8 descriptors with their scale, as resa.yaml keeps them."""
     import kernels.block_select.triton as sel
 
     Hq, Hkv, D = SHAPES[shape]
     opts = dict(device="cuda", dtype=torch.bfloat16)
-    saved = (sel._DOT_ELEMENTS, sel._SCORE_WARPS, sel._TOPK_WARPS)
+    names = ("_DOT_ELEMENTS", "_SCORE_WARPS", "_TOPK_WARPS", "_BINNED_CHUNK", "_BINNED_WARPS")
+    saved = {name: getattr(sel, name) for name in names}
     rows = []
     for length in lengths:
         q = torch.randn(1, Hq, D, **opts)
         k = torch.randn(1, Hkv, length, D, **opts)
         n_blocks = triton.cdiv(length, BLOCK)
-        kmax, kmin = (torch.empty(1, Hkv, n_blocks, D, **opts) for _ in range(2))
+        kmax, kmin = (torch.empty(1, Hkv, n_blocks, D, device="cuda", dtype=torch.int8 if int8 else torch.bfloat16)
+                      for _ in range(2))
+        kscale = torch.empty(1, Hkv, n_blocks, device="cuda") if int8 else None
         n = torch.tensor([length], device="cuda")
-        update_block_descriptors(k, kmax, kmin, n, length, BLOCK, fold_mean=rule.centroid)
-        args = dict(block_size=BLOCK, rule=rule, width=rule.keep(n_blocks), scale=D**-0.5, folded=rule.centroid)
+        update_block_descriptors(k, kmax, kmin, n, length, BLOCK, fold_mean=rule.centroid, scale=kscale)
+        args = dict(block_size=BLOCK, rule=rule, width=rule.keep(n_blocks), scale=D**-0.5, folded=rule.centroid,
+                    histogram=new_histogram(1, Hkv, "cuda"), descriptor_scale=kscale)
         expected = sel.select_blocks_triton(q, kmax, kmin, n, **args)
-        configs = [(t, w, 0) for t in (32, 64, 128) for w in (2, 4, 8)] + [(64, 4, w) for w in (4, 8, 16, 32)]
-        for tile, warps, topk_warps in configs:
-            sel._DOT_ELEMENTS, sel._SCORE_WARPS, sel._TOPK_WARPS = tile * D, warps, topk_warps
+        configs = [{"_DOT_ELEMENTS": t * D, "_SCORE_WARPS": w} for t in (32, 64, 128) for w in (2, 4, 8)]
+        if rule.pooling == "softmax":
+            configs += [{"_BINNED_CHUNK": c, "_BINNED_WARPS": w} for c in (256, 512, 1024, 2048) for w in (2, 4, 8)]
+        else:
+            configs += [{"_TOPK_WARPS": w} for w in (4, 8, 16, 32)]
+        for config in configs:
+            for name, value in {**saved, **config}.items():
+                setattr(sel, name, value)
             fn = lambda: sel.select_blocks_triton(q, kmax, kmin, n, **args)  # noqa: E731
             try:
                 same = torch.equal(fn(), expected)
                 with torch.cuda.stream(torch.cuda.Stream()):
                     ms = do_bench_cudagraph(fn, rep=50, return_mode="median")
             except Exception as e:  # a config that does not compile is reported and skipped
-                print(f"select {length} tile {tile} warps {warps} top-k warps {topk_warps}: {type(e).__name__}: {e}"[:300])
+                print(f"select {length} {config}: {type(e).__name__}: {e}"[:300])
                 continue
-            rows.append({"length": length, "score_tile": tile, "score_warps": warps, "topk_warps": topk_warps,
-                         "ms": ms, "same_blocks_as_default": same})
-            print(f"select {length} tile {tile} warps {warps} top-k warps {topk_warps}: {ms:.4f} ms same={same}",
-                  flush=True)
-        sel._DOT_ELEMENTS, sel._SCORE_WARPS, sel._TOPK_WARPS = saved
+            rows.append({"length": length, **config, "ms": ms, "same_blocks_as_default": same})
+            print(f"select {length} {config}: {ms:.4f} ms same={same}", flush=True)
+        for name, value in saved.items():
+            setattr(sel, name, value)
     return rows
 
 
@@ -228,6 +237,7 @@ def main() -> None:
                         help="the block mean key folded into max and min, as resa.yaml's rule keeps it")
     parser.add_argument("--int8", action="store_true",
                         help="int8 descriptors with a scale per block and head (resa.yaml's descriptor_dtype)")
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=tuple(SHAPES), help="the sweeps' model shape")
     parser.add_argument("--sweep-sparse", action="store_true", help="only sweep the sparse kernel's tiling")
     parser.add_argument("--sweep-select", action="store_true", help="only sweep the selection's tiling and search")
     parser.add_argument("--sweep-rectify", action="store_true", help="only sweep the rectification kernel's rows")
@@ -239,9 +249,9 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python3", *sys.argv])}
     if args.sweep_sparse:
-        rows = sweep_sparse()
+        rows = sweep_sparse(args.shape, int(args.lengths.split(",")[0]))
         if args.out:
-            args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+            args.out.write_text(json.dumps({**meta, "shape": args.shape, "rows": rows}, indent=2) + "\n")
         return
     if args.sweep_rectify:
         rows = sweep_rectify(list(map(int, args.lengths.split(","))))
@@ -250,9 +260,10 @@ def main() -> None:
         return
     rule = KeepRule(args.keep_ratio, 16, 1, 1, args.pooling, centroid=args.centroid)
     if args.sweep_select:
-        rows = sweep_select(list(map(int, args.lengths.split(","))), rule)
+        rows = sweep_select(list(map(int, args.lengths.split(","))), rule, args.shape, args.int8)
         if args.out:
-            args.out.write_text(json.dumps({**meta, "pooling": args.pooling, "centroid": args.centroid,
+            args.out.write_text(json.dumps({**meta, "shape": args.shape, "pooling": args.pooling,
+                                            "centroid": args.centroid, "int8_descriptors": args.int8,
                                             "keep_ratio": args.keep_ratio, "rows": rows}, indent=2) + "\n")
         return
     rows = []

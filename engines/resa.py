@@ -37,7 +37,7 @@ from kernels.sparse_decode_attention import sparse_decode_attention, sparse_deco
 class ResaKVLayer(StaticKVLayer):
     """A static KV layer that, on full-attention layers, also holds the block descriptors [B, Hkv, NB, D] (max
     and min keys; with the centroid rule, each plus the block's mean key; int8 codes of kscale [B, Hkv, NB] with
-    descriptor_dtype int8, else kscale is None) and the selection's score histogram (scratch kept zeroed between
+    descriptor_dtype int8, else kscale is None) and the selection's score histogram (scratch kept between
     steps, kernels/block_select)."""
 
     kscale: torch.Tensor | None = None

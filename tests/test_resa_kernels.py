@@ -622,13 +622,22 @@ def test_select_triton_forced_blocks_around_k(n_blocks, forced, hist):
         assert (got[0, h, k:] == -1).all()
 
 
+def _histogram_left(histogram: torch.Tensor, pooling: str, length: torch.Tensor) -> None:
+    """What a call leaves in the histogram: softmax pooling's counts of each row's blocks, mean pooling zeros."""
+    if pooling == "mean":
+        assert not histogram.any()
+        return
+    n_blocks = (length.cpu() + BS - 1) // BS
+    assert torch.equal(histogram.sum(-1).cpu(), n_blocks[:, None].expand(-1, histogram.shape[1]).int())
+
+
 @pytest.mark.parametrize("pooling", ["mean", "softmax+centroid"])
 @pytest.mark.parametrize("L", [17, 4097, 32768], ids=lambda n: f"L{n}")
 @pytest.mark.triton
-def test_select_triton_histogram_changes_nothing_and_is_left_zeroed(L, pooling):
-    """With the histogram the top-k searches inside the k-th score's bin: the same selection as without it, the
-    histogram zeroed again after the call, and a histogram left holding counts (a call stopped between its
-    launches) ignored rather than trusted."""
+def test_select_triton_histogram_changes_nothing(L, pooling):
+    """With the histogram the top-k starts from the k-th score's bin (softmax pooling: takes it): the same
+    selection as without it, call after call, and a histogram left holding other counts (a call stopped between
+    its launches) is not trusted: mean pooling ignores it, softmax pooling clears it before counting."""
     from kernels.block_select.triton import select_blocks_triton
 
     q, keys, _, kmax, kmin, length = _problem(2, 4, L, 64, torch.float16 if DEVICE == "cpu" else torch.bfloat16)
@@ -640,11 +649,43 @@ def test_select_triton_histogram_changes_nothing_and_is_left_zeroed(L, pooling):
     histogram = new_histogram(2, 2, DEVICE)
     for _ in range(2):  # the second call finds the histogram the first left
         assert torch.equal(select_blocks_triton(q, kmax, kmin, length, histogram=histogram, **args), plain)
-        assert not histogram.any()
+        _histogram_left(histogram, pooling, length)
     histogram[0, 1, 3000] = 5
     histogram[1, 0] = 1
     assert torch.equal(select_blocks_triton(q, kmax, kmin, length, histogram=histogram, **args), plain)
-    assert not histogram.any()
+    _histogram_left(histogram, pooling, length)
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 1024], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("n_blocks", [1, 40, 1000, 5000], ids=lambda n: f"NB{n}")
+@pytest.mark.triton
+def test_select_triton_binned_chunks_equal_one_program_a_row(monkeypatch, n_blocks, chunk):
+    """Softmax pooling with the histogram spreads a row over programs of `chunk` blocks; scores built to fall in
+    a few bins, so that the k-th score's bin is split and its ties straddle the chunks: the blocks one program a
+    row takes (lowest index first within that bin), bit for bit, and -1 past k."""
+    import kernels.block_select.triton as triton_select
+
+    torch.manual_seed(42)
+    D, group = 64, 2
+    # The group's two heads share a coarse bound, so the pooled scores repeat: few distinct bins in each row.
+    level = torch.randint(0, 4, (2, 2, n_blocks)).float() * 3.0
+    kmax = torch.zeros(2, 2, n_blocks, D)
+    kmax[..., 0] = level
+    q = torch.zeros(2, 2 * group, D)
+    q[..., 0] = 1.0
+    length = torch.tensor([n_blocks * BS - 3, max(1, n_blocks * BS // 2)])
+    rule = KeepRule(0.1, 16, 1, 1, pooling="softmax")
+    width = rule.keep(n_blocks) + 3
+    args = [t.to(DEVICE) for t in (q, kmax, kmax.clone(), length)]
+    kw = dict(block_size=BS, rule=rule, width=width, scale=1.0)
+    one_program = triton_select.select_blocks_triton(*args, **kw)
+    monkeypatch.setattr(triton_select, "_BINNED_CHUNK", chunk)
+    histogram = new_histogram(2, 2, DEVICE)
+    got = triton_select.select_blocks_triton(*args, histogram=histogram, **kw)
+    assert torch.equal(got, one_program)
+    want = select_ref(*(t.cpu() for t in args), **kw)
+    assert torch.equal(got.cpu(), want)
+    _histogram_left(histogram, "softmax", length)
 
 
 def test_select_dispatch_takes_the_histogram_and_validates_it():
@@ -827,7 +868,7 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
             pos += 1
             length += 1
         torch.cuda.synchronize()
-        assert not histogram.any()
+        _histogram_left(histogram, "softmax", length - 1)
         return got
 
     with_pdl, plain = run(True), run(False)

@@ -40,8 +40,8 @@ def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, lengt
     (valid keys, the new one included); scale: the attention's softmax scale (used by rule.pooling "softmax").
     folded: kmax and kmin hold max + mean and min + mean (kernels/block_descriptors' fold_mean): rule.centroid's
     score is then half their bound, from two descriptors instead of three (kmean not read).
-    histogram: scratch the Triton kernels keep zeroed between calls, int32 [B, Hkv, HIST_BINS] (`new_histogram`);
-    it shortens their search and changes no result. The reference ignores it.
+    histogram: scratch the Triton kernels keep between calls, int32 [B, Hkv, HIST_BINS] (`new_histogram`): the
+    scores' bins counted, which spares the top-k its search; it changes no result. The reference ignores it.
     descriptor_scale: [B, Hkv, NB] fp32 with int8 kmax and kmin (kernels/block_descriptors' scale): each block's
     codes times its scale; Quest's bound from the codes, scaled.
 
@@ -60,5 +60,5 @@ def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, lengt
 
 
 def new_histogram(batch: int, kv_heads: int, device) -> torch.Tensor:
-    """The zeroed scratch `select_blocks` keeps between calls."""
+    """The scratch `select_blocks` keeps between calls, zeroed."""
     return torch.zeros(batch, kv_heads, HIST_BINS, dtype=torch.int32, device=device)

@@ -5,8 +5,10 @@
    `_head_bounds_kernel` writes each head's scaled bounds (Quest's bound as two tensor-core products) and the
    tile's per-head max and sum of exponentials, and `_softmax_pool_kernel` (same grid) reduces those over
    the tiles and sums the heads' probabilities.
-2. The top-k, one program per (batch, kv head), in triton_topk.py: in registers up to _RESIDENT_MAX blocks, in
-   passes over L2 past it; exact for mean pooling, by the scores' bins for softmax pooling (reference.KeepRule).
+2. The top-k: exact for mean pooling, by the scores' bins for softmax pooling (reference.KeepRule). With softmax
+   pooling and the histogram, one program per chunk of a row's blocks (triton_binned.py; the bounds kernel clears
+   the histogram for it); otherwise one program per (batch, kv head) in triton_topk.py, in registers up to
+   _RESIDENT_MAX blocks, in passes over L2 past it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import triton.language as tl
 from kernels._gdc import grid_dependency_wait, use_pdl
 from kernels._triton_common import check_device, launch_context
 from kernels.block_select.reference import KeepRule, score_bins
+from kernels.block_select.triton_binned import _binned_topk_kernel
 from kernels.block_select.triton_topk import (HIST_BINS, _block_topk_kernel, _block_topk_resident_kernel,
                                               count_score_bins)
 
@@ -31,7 +34,11 @@ _SELECT_TILE = 2048  # scores per pass step of the selection program (long conte
 # Up to this many blocks (512K tokens of 16) one program holds a head's scores in registers for the search.
 # 16,384 was too tight: a 256K-token document plus its answer room (16,389 blocks) fell to the multipass kernel.
 _RESIDENT_MAX = 32768
+# Softmax pooling's top-k with the histogram: blocks a program (triton_binned.py) and its warps.
+_BINNED_CHUNK = 1024
+_BINNED_WARPS = 4
 _LOG2E = 1.4426950408889634
+_HIST_BINS = tl.constexpr(HIST_BINS)
 
 
 @triton.jit
@@ -87,18 +94,24 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _head_bounds_kernel(
-    Q, Kmax, Kmin, Kmean, Scale, Length, Bounds, TileMax, TileSum, n_kv_heads, n_blocks_cap, n_tiles, local_blocks,
-    sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb, stride_sh,
-    GROUP: tl.constexpr, G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
-    CENTROID: tl.constexpr, FOLDED: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    Q, Kmax, Kmin, Kmean, Scale, Length, Bounds, TileMax, TileSum, Hist, n_kv_heads, n_blocks_cap, n_tiles,
+    local_blocks, sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb,
+    stride_sh, GROUP: tl.constexpr, G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    TILE: tl.constexpr, CENTROID: tl.constexpr, FOLDED: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
+    HIST_SLICE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Softmax pooling's first half, one (batch, kv head, tile of blocks) per program: every head's scaled
     bounds, and the tile's per-head max and sum of exp2. Quest's bound is two products on the tensor cores:
     sum_d max(q_d * kmax_d, q_d * kmin_d) = max(q, 0) . kmax + min(q, 0) . kmin, as kmax >= kmin. QUANT: int8
-    descriptors, exact in half precision (|code| <= 127), the products then scaled per block."""
+    descriptors, exact in half precision (|code| <= 127), the products then scaled per block. HIST_SLICE > 0:
+    the tiles clear the row's histogram, HIST_SLICE bins each, for the pool kernel to count this call's scores."""
     grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0)
     tile = tl.program_id(1)
+    if HIST_SLICE > 0:
+        offs_h = tile * HIST_SLICE + tl.arange(0, HIST_SLICE)
+        tl.store(Hist + pid_bh.to(tl.int64) * _HIST_BINS + offs_h, tl.zeros([HIST_SLICE], tl.int32),
+                 mask=offs_h < _HIST_BINS)
     b = (pid_bh // n_kv_heads).to(tl.int64)
     h = (pid_bh % n_kv_heads).to(tl.int64)
     n_blocks = tl.cdiv(tl.load(Length + b).to(tl.int64), BLOCK)
@@ -182,9 +195,11 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                          kmean: torch.Tensor | None = None, folded: bool = False,
                          histogram: torch.Tensor | None = None,
                          descriptor_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as reference.select_blocks; CUDA-graph capturable. histogram: int32 [B, Hkv, HIST_BINS],
-    zeros, kept by the caller across calls (the top-k zeroes it again); without it the top-k's search starts from
-    the scores' range."""
+    """Same contract as reference.select_blocks; CUDA-graph capturable. histogram: int32 [B, Hkv, HIST_BINS]
+    scratch kept by the caller across calls. Softmax pooling clears it, counts the scores' bins into it and takes
+    the k-th score's bin from it (it holds this call's counts afterwards); mean pooling's top-k starts its search
+    in the bin it gives, if it counts the row's blocks, and leaves it zeroed for the next call. Without it the
+    top-k searches from the scores' range."""
     if q.dim() != 3:
         raise ValueError(f"expected q of shape [B, Hq, D], got {tuple(q.shape)}")
     B, Hq, D = q.shape
@@ -247,12 +262,13 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
             # otherwise.
             ieee = q.dtype == torch.float32 if quant else (kmax.dtype == torch.float32 or q.dtype != kmax.dtype)
             _head_bounds_kernel[(B * Hkv, n_tiles)](
-                q, kmax, kmin, kmean if separate_mean else kmax, scale_arg, length, bounds, tile_max, tile_sum, Hkv,
-                NB, n_tiles, rule.local_blocks, rule.sink_blocks, scale * _LOG2E, q.stride(0), q.stride(1),
-                kmax.stride(0), kmax.stride(1), kmax.stride(2), *scale_strides, GROUP=group,
+                q, kmax, kmin, kmean if separate_mean else kmax, scale_arg, length, bounds, tile_max, tile_sum,
+                hist_arg, Hkv, NB, n_tiles, rule.local_blocks, rule.sink_blocks, scale * _LOG2E, q.stride(0),
+                q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2), *scale_strides, GROUP=group,
                 G_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size, TILE=tile,
-                CENTROID=rule.centroid, FOLDED=fold, QUANT=quant, IEEE=ieee, PDL=pdl, launch_pdl=pdl,
-                num_warps=_SCORE_WARPS,
+                CENTROID=rule.centroid, FOLDED=fold, QUANT=quant, IEEE=ieee,
+                HIST_SLICE=max(16, triton.next_power_of_2(triton.cdiv(HIST_BINS, n_tiles))) if hist else 0,
+                PDL=pdl, launch_pdl=pdl, num_warps=_SCORE_WARPS,
             )
             _softmax_pool_kernel[(B * Hkv, n_tiles)](
                 bounds, tile_max, tile_sum, length, scores, hist_arg, Hkv, NB, n_tiles, rule.local_blocks,
@@ -268,7 +284,14 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                 BLOCK=block_size, TILE=_SCORE_TILE, CENTROID=rule.centroid, FOLDED=fold, QUANT=quant,
                 HIST=hist, SHIFT=shift, BASE=base, PDL=pdl, launch_pdl=pdl, num_warps=4,
             )
-        if NB <= _RESIDENT_MAX:
+        if softmax and hist and NB <= _RESIDENT_MAX:
+            main, rest, _ = resident_layout(NB)
+            _binned_topk_kernel[(B * Hkv, triton.cdiv(NB, _BINNED_CHUNK))](
+                scores, length, out, histogram, NB, width, num, den, rule.min_blocks, Hkv, BLOCK=block_size,
+                NB_MAIN=main, NB_REST=rest, CHUNK=_BINNED_CHUNK, W_PAD=max(16, triton.next_power_of_2(width)),
+                SHIFT=shift, BASE=base, PDL=pdl, launch_pdl=pdl, num_warps=_BINNED_WARPS,
+            )
+        elif NB <= _RESIDENT_MAX:
             main, rest, warps = resident_layout(NB)
             _block_topk_resident_kernel[(B * Hkv,)](
                 scores, length, out, hist_arg, NB, width, num, den, rule.min_blocks, Hkv,
