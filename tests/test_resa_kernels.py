@@ -622,9 +622,9 @@ def test_select_triton_forced_blocks_around_k(n_blocks, forced, hist):
         assert (got[0, h, k:] == -1).all()
 
 
-def _histogram_left(histogram: torch.Tensor, pooling: str, length: torch.Tensor) -> None:
-    """What a call leaves in the histogram: softmax pooling's counts of each row's blocks, mean pooling zeros."""
-    if pooling == "mean":
+def _histogram_left(histogram: torch.Tensor, length: torch.Tensor, chunked: bool) -> None:
+    """What a call leaves in the histogram: zeros from the one-program top-k, each row's counts from the chunked."""
+    if not chunked:
         assert not histogram.any()
         return
     n_blocks = (length.cpu() + BS - 1) // BS
@@ -637,7 +637,8 @@ def _histogram_left(histogram: torch.Tensor, pooling: str, length: torch.Tensor)
 def test_select_triton_histogram_changes_nothing(L, pooling):
     """With the histogram the top-k starts from the k-th score's bin (softmax pooling: takes it): the same
     selection as without it, call after call, and a histogram left holding other counts (a call stopped between
-    its launches) is not trusted: mean pooling ignores it, softmax pooling clears it before counting."""
+    its launches) is not trusted: mean pooling ignores it, softmax pooling clears it before counting. The
+    one-program top-k leaves it zeroed."""
     from kernels.block_select.triton import select_blocks_triton
 
     q, keys, _, kmax, kmin, length = _problem(2, 4, L, 64, torch.float16 if DEVICE == "cpu" else torch.bfloat16)
@@ -649,20 +650,20 @@ def test_select_triton_histogram_changes_nothing(L, pooling):
     histogram = new_histogram(2, 2, DEVICE)
     for _ in range(2):  # the second call finds the histogram the first left
         assert torch.equal(select_blocks_triton(q, kmax, kmin, length, histogram=histogram, **args), plain)
-        _histogram_left(histogram, pooling, length)
+        _histogram_left(histogram, length, chunked=False)
     histogram[0, 1, 3000] = 5
     histogram[1, 0] = 1
     assert torch.equal(select_blocks_triton(q, kmax, kmin, length, histogram=histogram, **args), plain)
-    _histogram_left(histogram, pooling, length)
+    _histogram_left(histogram, length, chunked=False)
 
 
 @pytest.mark.parametrize("chunk", [16, 64, 1024], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("n_blocks", [1, 40, 1000, 5000], ids=lambda n: f"NB{n}")
 @pytest.mark.triton
 def test_select_triton_binned_chunks_equal_one_program_a_row(monkeypatch, n_blocks, chunk):
-    """Softmax pooling with the histogram spreads a row over programs of `chunk` blocks; scores built to fall in
-    a few bins, so that the k-th score's bin is split and its ties straddle the chunks: the blocks one program a
-    row takes (lowest index first within that bin), bit for bit, and -1 past k."""
+    """Softmax pooling with the histogram spreads a long row over programs of `chunk` blocks (here any row);
+    scores built to fall in a few bins, so that the k-th score's bin is split and its ties straddle the chunks:
+    the blocks one program a row takes (lowest index first within that bin), bit for bit, and -1 past k."""
     import kernels.block_select.triton as triton_select
 
     torch.manual_seed(42)
@@ -679,13 +680,14 @@ def test_select_triton_binned_chunks_equal_one_program_a_row(monkeypatch, n_bloc
     args = [t.to(DEVICE) for t in (q, kmax, kmax.clone(), length)]
     kw = dict(block_size=BS, rule=rule, width=width, scale=1.0)
     one_program = triton_select.select_blocks_triton(*args, **kw)
+    monkeypatch.setattr(triton_select, "_BINNED_MIN_BLOCKS", 1)
     monkeypatch.setattr(triton_select, "_BINNED_CHUNK", chunk)
     histogram = new_histogram(2, 2, DEVICE)
     got = triton_select.select_blocks_triton(*args, histogram=histogram, **kw)
     assert torch.equal(got, one_program)
     want = select_ref(*(t.cpu() for t in args), **kw)
     assert torch.equal(got.cpu(), want)
-    _histogram_left(histogram, "softmax", length)
+    _histogram_left(histogram, length, chunked=True)
 
 
 def test_select_dispatch_takes_the_histogram_and_validates_it():
@@ -868,7 +870,7 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
             pos += 1
             length += 1
         torch.cuda.synchronize()
-        _histogram_left(histogram, "softmax", length - 1)
+        assert not histogram.any()
         return got
 
     with_pdl, plain = run(True), run(False)

@@ -5,10 +5,10 @@
    `_head_bounds_kernel` writes each head's scaled bounds (Quest's bound as two tensor-core products) and the
    tile's per-head max and sum of exponentials, and `_softmax_pool_kernel` (same grid) reduces those over
    the tiles and sums the heads' probabilities.
-2. The top-k: exact for mean pooling, by the scores' bins for softmax pooling (reference.KeepRule). With softmax
-   pooling and the histogram, one program per chunk of a row's blocks (triton_binned.py; the bounds kernel clears
-   the histogram for it); otherwise one program per (batch, kv head) in triton_topk.py, in registers up to
-   _RESIDENT_MAX blocks, in passes over L2 past it.
+2. The top-k: exact for mean pooling, by the scores' bins for softmax pooling (reference.KeepRule). One program
+   per (batch, kv head) in triton_topk.py, in registers up to _RESIDENT_MAX blocks, in passes over L2 past it;
+   with softmax pooling and the histogram, rows from _BINNED_MIN_BLOCKS blocks take one program per chunk of
+   their blocks instead (triton_binned.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ _SELECT_TILE = 2048  # scores per pass step of the selection program (long conte
 # Up to this many blocks (512K tokens of 16) one program holds a head's scores in registers for the search.
 # 16,384 was too tight: a 256K-token document plus its answer room (16,389 blocks) fell to the multipass kernel.
 _RESIDENT_MAX = 32768
-# Softmax pooling's top-k with the histogram: blocks a program (triton_binned.py) and its warps.
+# Softmax pooling's top-k with the histogram, from this many blocks a row (256K tokens of 16): one program a chunk
+# of _BINNED_CHUNK blocks (triton_binned.py). One program a row scans the whole row, a time that grows with it: in
+# the decode step on an H200 (Qwen3-1.7B shape) the chunks gave 4.48 against 4.69-4.71 ms a token at 256K, but at
+# 128K (8,192 blocks) 3.83 against 3.67-3.73, their top-k 18.9 against 16.1 us a layer.
+_BINNED_MIN_BLOCKS = 16384
 _BINNED_CHUNK = 1024
 _BINNED_WARPS = 4
 _LOG2E = 1.4426950408889634
@@ -196,10 +200,10 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                          histogram: torch.Tensor | None = None,
                          descriptor_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.select_blocks; CUDA-graph capturable. histogram: int32 [B, Hkv, HIST_BINS]
-    scratch kept by the caller across calls. Softmax pooling clears it, counts the scores' bins into it and takes
-    the k-th score's bin from it (it holds this call's counts afterwards); mean pooling's top-k starts its search
-    in the bin it gives, if it counts the row's blocks, and leaves it zeroed for the next call. Without it the
-    top-k searches from the scores' range."""
+    scratch kept by the caller across calls. The scoring kernels count the scores' bins into it (softmax pooling
+    clears it first); the top-k takes the k-th score's bin from it and, one program a row, zeroes it again (the
+    chunked top-k leaves this call's counts). A histogram that does not count the row's blocks is not used.
+    Without it the top-k searches from the scores' range."""
     if q.dim() != 3:
         raise ValueError(f"expected q of shape [B, Hq, D], got {tuple(q.shape)}")
     B, Hq, D = q.shape
@@ -284,7 +288,7 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                 BLOCK=block_size, TILE=_SCORE_TILE, CENTROID=rule.centroid, FOLDED=fold, QUANT=quant,
                 HIST=hist, SHIFT=shift, BASE=base, PDL=pdl, launch_pdl=pdl, num_warps=4,
             )
-        if softmax and hist and NB <= _RESIDENT_MAX:
+        if softmax and hist and _BINNED_MIN_BLOCKS <= NB <= _RESIDENT_MAX:
             main, rest, _ = resident_layout(NB)
             _binned_topk_kernel[(B * Hkv, triton.cdiv(NB, _BINNED_CHUNK))](
                 scores, length, out, histogram, NB, width, num, den, rule.min_blocks, Hkv, BLOCK=block_size,
