@@ -881,15 +881,21 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pooling", ["mean", "softmax"])
 def test_select_triton_resident_past_256k_tokens(pooling):
-    """A 256K-token document plus answer room (16,389 blocks) stays on the register-resident search."""
-    from kernels.block_select.triton import _RESIDENT_MAX, select_blocks_triton
+    """A 256K-token document plus answer room (16,389 blocks) stays on the register-resident search; with the
+    histogram, softmax pooling's row goes to the chunked top-k, which selects the same blocks."""
+    from kernels.block_select.triton import _BINNED_MIN_BLOCKS, _RESIDENT_MAX, select_blocks_triton
 
     L = 262144 + 77
-    assert cdiv(L, BS) <= _RESIDENT_MAX
+    assert _BINNED_MIN_BLOCKS <= cdiv(L, BS) <= _RESIDENT_MAX
     q, _, _, kmax, kmin, length = _problem(1, 4, L, 128, torch.bfloat16)
     rule = KeepRule(0.1, 16, 1, 1, pooling=pooling)
     width = rule.keep(kmax.shape[2])
-    got = select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width, scale=128**-0.5).cpu()
+    got = select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width, scale=128**-0.5)
+    histogram = new_histogram(1, 2, "cuda")
+    assert torch.equal(select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width,
+                                            scale=128**-0.5, histogram=histogram), got)
+    _histogram_left(histogram, length, chunked=pooling == "softmax")
+    got = got.cpu()
     scores = block_scores(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, local_blocks=1,
                           sink_blocks=1, pooling=pooling, scale=128**-0.5)
     n = cdiv(L, BS)
