@@ -657,7 +657,7 @@ def test_select_triton_histogram_changes_nothing(L, pooling):
     _histogram_left(histogram, length, chunked=False)
 
 
-@pytest.mark.parametrize("chunk", [16, 64, 1024], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("chunk", [16, 64, 1024, 2048], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("n_blocks", [1, 40, 1000, 5000], ids=lambda n: f"NB{n}")
 @pytest.mark.triton
 def test_select_triton_binned_chunks_equal_one_program_a_row(monkeypatch, n_blocks, chunk):

@@ -36,11 +36,13 @@ _SELECT_TILE = 2048  # scores per pass step of the selection program (long conte
 _RESIDENT_MAX = 32768
 # Softmax pooling's top-k with the histogram, from this many blocks a row (256K tokens of 16): one program a chunk
 # of _BINNED_CHUNK blocks (triton_binned.py). One program a row scans the whole row, a time that grows with it: in
-# the decode step on an H200 (Qwen3-1.7B shape) the chunks gave 4.48 against 4.69-4.71 ms a token at 256K, but at
-# 128K (8,192 blocks) 3.83 against 3.67-3.73, their top-k 18.9 against 16.1 us a layer.
+# the decode step on an H200 (Qwen3-1.7B shape) chunks of 1,024 blocks at 4 warps gave 4.48 against 4.69-4.71 ms a
+# token at 256K, but at 128K (8,192 blocks) 3.83 against 3.67-3.73, their top-k 18.9 against 16.1 us a layer.
+# 2,048 blocks at 8 warps: the whole selection alone (H200 sweep, bench_resa_kernels.py --sweep-select) 31.6 us at
+# 256K against 33.8 for 1,024 at 4 and 35.7 for one program a row; 19.5 against 21.4 and 21.2 at 128K.
 _BINNED_MIN_BLOCKS = 16384
-_BINNED_CHUNK = 1024
-_BINNED_WARPS = 4
+_BINNED_CHUNK = 2048
+_BINNED_WARPS = 8
 _LOG2E = 1.4426950408889634
 _HIST_BINS = tl.constexpr(HIST_BINS)
 
