@@ -2,7 +2,7 @@
 
 Chunked prefill calls the same small functions with the same shapes at every chunk of a long document, and on a
 GPU such a prefill is bound by the host issuing them: a small PyTorch operation costs 10-11 us of host time on an
-H200 host (benchmarks/README.md) against a few us of device time. A `ChunkGraph` captures a function once for
+H200 host (benchmarks/README.md) against a few us of GPU time. A `ChunkGraph` captures a function once for
 inputs of one shape and replays it at later calls: the new inputs are copied into the captured ones (one copy
 each), the graph is launched (one call), and the outputs are the captured ones, written again at each replay.
 

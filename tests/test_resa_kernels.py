@@ -637,8 +637,7 @@ def _histogram_left(histogram: torch.Tensor, length: torch.Tensor, chunked: bool
 def test_select_triton_histogram_changes_nothing(L, pooling):
     """With the histogram the top-k starts from the k-th score's bin (softmax pooling: takes it): the same
     selection as without it, call after call, and a histogram left holding other counts (a call stopped between
-    its launches) is not trusted: mean pooling ignores it, softmax pooling clears it before counting. The
-    one-program top-k leaves it zeroed."""
+    its launches) is not trusted: the one-program top-k ignores it, and leaves it zeroed."""
     from kernels.block_select.triton import select_blocks_triton
 
     q, keys, _, kmax, kmin, length = _problem(2, 4, L, 64, torch.float16 if DEVICE == "cpu" else torch.bfloat16)
@@ -683,6 +682,7 @@ def test_select_triton_binned_chunks_equal_one_program_a_row(monkeypatch, n_bloc
     monkeypatch.setattr(triton_select, "_BINNED_MIN_BLOCKS", 1)
     monkeypatch.setattr(triton_select, "_BINNED_CHUNK", chunk)
     histogram = new_histogram(2, 2, DEVICE)
+    histogram[0, 1, 3000] = 5  # left by a call stopped between its launches: cleared before counting
     got = triton_select.select_blocks_triton(*args, histogram=histogram, **kw)
     assert torch.equal(got, one_program)
     want = select_ref(*(t.cpu() for t in args), **kw)

@@ -202,9 +202,9 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                          histogram: torch.Tensor | None = None,
                          descriptor_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.select_blocks; CUDA-graph capturable. histogram: int32 [B, Hkv, HIST_BINS]
-    scratch kept by the caller across calls. The scoring kernels count the scores' bins into it (softmax pooling
-    clears it first); the top-k takes the k-th score's bin from it and, one program a row, zeroes it again (the
-    chunked top-k leaves this call's counts). A histogram that does not count the row's blocks is not used.
+    scratch kept by the caller across calls. The scoring kernels count the scores' bins into it and the top-k
+    takes the k-th score's bin from it: one program a row zeroes it again and does not use one that does not count
+    the row's blocks; for the chunked top-k the bounds kernel clears it first, and it keeps this call's counts.
     Without it the top-k searches from the scores' range."""
     if q.dim() != 3:
         raise ValueError(f"expected q of shape [B, Hq, D], got {tuple(q.shape)}")
@@ -258,6 +258,8 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     shift, base = score_bins(rule.pooling, group)
     scale_arg = descriptor_scale if quant else length  # never read without QUANT
     scale_strides = (descriptor_scale.stride(0), descriptor_scale.stride(1)) if quant else (0, 0)
+    # The chunked top-k takes the histogram as this call's counts: the bounds kernel clears it first.
+    chunked = softmax and hist and _BINNED_MIN_BLOCKS <= NB <= _RESIDENT_MAX
     with launch_context(q.device):
         if softmax:
             # Scratch: each head's scaled bounds, and per tile each head's max and sum of exp2.
@@ -273,7 +275,7 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                 q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2), *scale_strides, GROUP=group,
                 G_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size, TILE=tile,
                 CENTROID=rule.centroid, FOLDED=fold, QUANT=quant, IEEE=ieee,
-                HIST_SLICE=max(16, triton.next_power_of_2(triton.cdiv(HIST_BINS, n_tiles))) if hist else 0,
+                HIST_SLICE=max(16, triton.next_power_of_2(triton.cdiv(HIST_BINS, n_tiles))) if chunked else 0,
                 PDL=pdl, launch_pdl=pdl, num_warps=_SCORE_WARPS,
             )
             _softmax_pool_kernel[(B * Hkv, n_tiles)](
@@ -290,7 +292,7 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                 BLOCK=block_size, TILE=_SCORE_TILE, CENTROID=rule.centroid, FOLDED=fold, QUANT=quant,
                 HIST=hist, SHIFT=shift, BASE=base, PDL=pdl, launch_pdl=pdl, num_warps=4,
             )
-        if softmax and hist and _BINNED_MIN_BLOCKS <= NB <= _RESIDENT_MAX:
+        if chunked:
             main, rest, _ = resident_layout(NB)
             _binned_topk_kernel[(B * Hkv, triton.cdiv(NB, _BINNED_CHUNK))](
                 scores, length, out, histogram, NB, width, num, den, rule.min_blocks, Hkv, BLOCK=block_size,
