@@ -27,7 +27,7 @@ from engines.cache import StaticKVCache, StaticKVLayer, full_layers, kv_token_by
 from engines.decoding import StaticForward
 from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors
-from kernels.block_select import HIST_BINS, new_histogram, select_blocks
+from kernels.block_select import HIST_BINS, SYNC_WORDS, barrier_timeouts, new_histogram, new_sync, select_blocks
 from kernels.chunk_attention import chunk_attention, chunk_attention_backend
 from kernels.decode_attention import decode_attention, decode_backend
 from kernels.kv_append import append_kv
@@ -37,8 +37,8 @@ from kernels.sparse_decode_attention import sparse_decode_attention, sparse_deco
 class ResaKVLayer(StaticKVLayer):
     """A static KV layer that, on full-attention layers, also holds the block descriptors [B, Hkv, NB, D] (max
     and min keys; with the centroid rule, each plus the block's mean key; int8 codes of kscale [B, Hkv, NB] with
-    descriptor_dtype int8, else kscale is None) and the selection's score histogram (scratch kept between
-    steps, kernels/block_select)."""
+    descriptor_dtype int8, else kscale is None) and the selection's score histogram and sync words (scratch kept
+    between steps, kernels/block_select)."""
 
     kscale: torch.Tensor | None = None
 
@@ -54,6 +54,7 @@ class ResaKVLayer(StaticKVLayer):
             if int8:
                 self.kscale = torch.zeros(batch, heads, n_blocks, dtype=torch.float32, device=self.device)
             self.score_bins = new_histogram(batch, heads, self.device)
+            self.select_sync = new_sync(batch, heads, self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """A decode step's one new token on a full-attention layer: K/V written and its block's descriptors
@@ -69,7 +70,8 @@ class ResaKVLayer(StaticKVLayer):
     def nbytes(self) -> int:
         extra = 0
         if self.is_initialized and not self.is_sliding:
-            extra = sum(t.nbytes for t in (self.kmax, self.kmin, self.kscale, self.score_bins) if t is not None)
+            extra = sum(t.nbytes for t in (self.kmax, self.kmin, self.kscale, self.score_bins, self.select_sync)
+                        if t is not None)
         return super().nbytes() + extra
 
 
@@ -158,7 +160,7 @@ class ResaEngine(Engine):
         start = time.perf_counter()
         blocks = select_blocks(query[:, :, 0], layer.kmax, layer.kmin, length, block_size=longctx.block_size,
                                rule=longctx.rule, width=longctx.width, scale=scaling, folded=longctx.rule.centroid,
-                               histogram=layer.score_bins, descriptor_scale=layer.kscale)
+                               histogram=layer.score_bins, descriptor_scale=layer.kscale, sync=layer.select_sync)
         start = _clock(longctx, "estimation_s", start)
         out = sparse_decode_attention(query[:, :, 0], key, value, blocks, length, block_size=longctx.block_size,
                                       scale=scaling)
@@ -175,12 +177,12 @@ class ResaEngine(Engine):
                     reserve: int) -> int:
         """The KV cache plus, on full-attention layers, two descriptors per block (2/block_size of the keys; the
         centroid is folded into them; int8 with a float32 scale per block and KV head), and the selection's
-        histogram (int32, HIST_BINS per KV head)."""
+        histogram and sync words (int32, HIST_BINS + SYNC_WORDS per KV head)."""
         cfg = engine_config or ResaConfig()
         n_blocks = cdiv(n_tokens, cfg.block_size)
         kv_heads = model_config.get_text_config(decoder=True).num_key_value_heads
         descriptors = len(full_layers(model_config)) * _block_bytes(cfg, model_config, dtype_bytes) * n_blocks
-        descriptors += len(full_layers(model_config)) * kv_heads * HIST_BINS * 4
+        descriptors += len(full_layers(model_config)) * kv_heads * (HIST_BINS + SYNC_WORDS) * 4
         return super().memory_plan(model_config, n_tokens, dtype_bytes, chunk_size=chunk_size,
                                    reserve=reserve) + descriptors
 
@@ -310,6 +312,9 @@ class ResaEngine(Engine):
         out.update(decode_steps=state.steps, blocks_kept_last_step=kept, blocks_total_last_step=n_blocks,
                    kv_fraction_read=round(state.kept_tokens / state.context_tokens, 4),
                    rectifications=state.rectifications, rectification_s=round(rectify_s, 4))
+        given_up = sum(barrier_timeouts(layer.select_sync) for _, layer in self._descriptor_layers(state.cache))
+        if given_up:  # the device did not run a row's selection programs at once: those selections are suspect
+            out["selection_barriers_given_up"] = given_up
         if state.cache.timed:
             out.update({k: round(v, 4) for k, v in state.cache.times.items()})
         else:

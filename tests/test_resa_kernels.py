@@ -15,7 +15,8 @@ import torch
 from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors
 from kernels.block_descriptors import update_block_descriptors_reference as update_ref
-from kernels.block_select import HIST_BINS, KeepRule, block_scores, new_histogram, score_bins, select_blocks
+from kernels.block_select import (HIST_BINS, KeepRule, barrier_timeouts, block_scores, new_histogram, new_sync,
+                                   score_bins, select_blocks)
 from kernels.block_select.reference import bin_keys
 from kernels.block_select import select_blocks_reference as select_ref
 from kernels.decode_attention import decode_attention_reference as dense_ref
@@ -690,6 +691,43 @@ def test_select_triton_binned_chunks_equal_one_program_a_row(monkeypatch, n_bloc
     _histogram_left(histogram, length, chunked=True)
 
 
+@pytest.mark.parametrize("parts", [1, 3, 16], ids=lambda p: f"parts{p}")
+@pytest.mark.parametrize("n_blocks", [1, 40, 1000, 5000], ids=lambda n: f"NB{n}")
+@pytest.mark.triton
+def test_select_triton_fused_equals_one_program_a_row(monkeypatch, n_blocks, parts):
+    """Softmax pooling with the histogram and the sync words: one launch whose `parts` programs a row meet at
+    barriers (phase by phase under the interpreter, where parts > 1). Scores built to fall in a few bins, so that
+    the k-th score's bin is split and its ties straddle the parts: the blocks one program a row takes, bit for bit,
+    call after call; the histogram left holding the call's counts and the sync words their arrival counts at 0."""
+    import kernels.block_select.triton as triton_select
+
+    torch.manual_seed(42)
+    D, group = 64, 2
+    level = torch.randint(0, 4, (2, 2, n_blocks)).float() * 3.0
+    kmax = torch.zeros(2, 2, n_blocks, D)
+    kmax[..., 0] = level
+    q = torch.zeros(2, 2 * group, D)
+    q[..., 0] = 1.0
+    length = torch.tensor([n_blocks * BS - 3, max(1, n_blocks * BS // 2)])
+    rule = KeepRule(0.1, 16, 1, 1, pooling="softmax")
+    width = rule.keep(n_blocks) + 3
+    args = [t.to(DEVICE) for t in (q, kmax, kmax.clone(), length)]
+    kw = dict(block_size=BS, rule=rule, width=width, scale=1.0)
+    one_program = triton_select.select_blocks_triton(*args, **kw)
+    monkeypatch.setattr(triton_select, "_FUSED_PARTS", parts)
+    histogram, sync = new_histogram(2, 2, DEVICE), new_sync(2, 2, DEVICE)
+    histogram[0, 1, 3000] = 5  # left by a call stopped between its launches: cleared before counting
+    for _ in range(2):
+        got = triton_select.select_blocks_triton(*args, histogram=histogram, sync=sync, **kw)
+        assert torch.equal(got, one_program)
+        _histogram_left(histogram, length, chunked=True)
+        assert not sync[..., 0].any() and barrier_timeouts(sync) == 0
+    assert torch.equal(got.cpu(), select_ref(*(t.cpu() for t in args), **kw))
+    if DEVICE == "cuda":  # the phases as separate launches, as the interpreter runs them
+        monkeypatch.setattr(triton_select, "_FUSED_SPLIT", True)
+        assert torch.equal(triton_select.select_blocks_triton(*args, histogram=histogram, sync=sync, **kw), got)
+
+
 def test_select_dispatch_takes_the_histogram_and_validates_it():
     """The reference ignores the histogram; the Triton launcher refuses one of the wrong shape or dtype."""
     q, _, _, kmax, kmin, length = _problem(1, 2, 300, 64, torch.float32)
@@ -825,10 +863,12 @@ def test_sparse_step_in_a_cuda_graph_follows_length():
 
 
 @pytest.mark.gpu
-def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["launches", "fused"])
+def test_programmatic_dependent_launch_changes_no_result(monkeypatch, fused):
     """A decode step's kernels (K/V write with descriptors, selection with its histogram, sparse attention and its
     combine) captured in a CUDA graph with programmatic dependent launch, each kernel waiting for the one before:
-    bit for bit what plain launches give, replay after replay."""
+    bit for bit what plain launches give, replay after replay; with the sync words the selection is one launch
+    whose programs meet at barriers."""
     import kernels._gdc as gdc
     from kernels.block_descriptors import update_block_descriptors
     from kernels.kv_append import append_kv
@@ -851,13 +891,14 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
             torch.randn(B, Hkv, 1, D, **opts)
         pos, length = torch.tensor([n0], device="cuda"), torch.tensor([n0 + 1], device="cuda")
         histogram = new_histogram(B, Hkv, "cuda")
+        sync = new_sync(B, Hkv, "cuda") if fused else None
         width = rule.keep(S // BS)
 
         def step():
             append_kv(keys, values, k_new, v_new, pos, descriptors=(kmax, kmin, None), length=length,
                       block_size=BS, fold_mean=True)
             blocks = select_blocks(q, kmax, kmin, length, block_size=BS, rule=rule, width=width, scale=D**-0.5,
-                                   folded=True, histogram=histogram)
+                                   folded=True, histogram=histogram, sync=sync)
             return blocks, sparse_decode_attention(q, keys, values, blocks, length, block_size=BS, scale=D**-0.5)
 
         graph, (blocks, out) = _captured(step)
@@ -870,7 +911,10 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
             pos += 1
             length += 1
         torch.cuda.synchronize()
-        assert not histogram.any()
+        if fused:  # the last replay's counts, and every barrier met
+            assert int(histogram.sum()) == Hkv * cdiv(int(length) - 1, BS) and barrier_timeouts(sync) == 0
+        else:
+            assert not histogram.any()
         return got
 
     with_pdl, plain = run(True), run(False)
@@ -882,7 +926,8 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
 @pytest.mark.parametrize("pooling", ["mean", "softmax"])
 def test_select_triton_resident_past_256k_tokens(pooling):
     """A 256K-token document plus answer room (16,389 blocks) stays on the register-resident search; with the
-    histogram, softmax pooling's row goes to the chunked top-k, which selects the same blocks."""
+    histogram, softmax pooling's row goes to the chunked top-k, and with the sync words to the fused launch: the
+    same blocks."""
     from kernels.block_select.triton import _BINNED_MIN_BLOCKS, _RESIDENT_MAX, select_blocks_triton
 
     L = 262144 + 77
@@ -895,6 +940,11 @@ def test_select_triton_resident_past_256k_tokens(pooling):
     assert torch.equal(select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width,
                                             scale=128**-0.5, histogram=histogram), got)
     _histogram_left(histogram, length, chunked=pooling == "softmax")
+    if pooling == "softmax":  # and as one launch, its programs meeting at barriers
+        sync = new_sync(1, 2, "cuda")
+        assert torch.equal(select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule, width=width,
+                                                scale=128**-0.5, histogram=histogram, sync=sync), got)
+        assert barrier_timeouts(sync) == 0
     got = got.cpu()
     scores = block_scores(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, local_blocks=1,
                           sink_blocks=1, pooling=pooling, scale=128**-0.5)

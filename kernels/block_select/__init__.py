@@ -16,11 +16,11 @@ import functools
 
 import torch
 
-from kernels.block_select.reference import HIST_BINS, POOLINGS, KeepRule, block_scores, score_bins
+from kernels.block_select.reference import HIST_BINS, POOLINGS, SYNC_WORDS, KeepRule, block_scores, score_bins
 from kernels.block_select.reference import select_blocks as select_blocks_reference
 
-__all__ = ["HIST_BINS", "POOLINGS", "KeepRule", "block_scores", "new_histogram", "score_bins", "select_blocks",
-           "select_blocks_reference"]
+__all__ = ["HIST_BINS", "POOLINGS", "SYNC_WORDS", "KeepRule", "barrier_timeouts", "block_scores", "new_histogram",
+           "new_sync", "score_bins", "select_blocks", "select_blocks_reference"]
 
 
 @functools.cache
@@ -35,7 +35,8 @@ def _triton_impl():
 def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                   block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
                   kmean: torch.Tensor | None = None, folded: bool = False,
-                  histogram: torch.Tensor | None = None, descriptor_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  histogram: torch.Tensor | None = None, descriptor_scale: torch.Tensor | None = None,
+                  sync: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; kmax, kmin (and kmean, required by rule.centroid): [B, Hkv, NB, D]; length: [B] int64
     (valid keys, the new one included); scale: the attention's softmax scale (used by rule.pooling "softmax").
     folded: kmax and kmin hold max + mean and min + mean (kernels/block_descriptors' fold_mean): rule.centroid's
@@ -44,6 +45,8 @@ def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, lengt
     scores' bins counted, which spares the top-k its search; it changes no result. The reference ignores it.
     descriptor_scale: [B, Hkv, NB] fp32 with int8 kmax and kmin (kernels/block_descriptors' scale): each block's
     codes times its scale; Quest's bound from the codes, scaled.
+    sync: scratch the Triton kernels keep between calls, int32 [B, Hkv, SYNC_WORDS] (`new_sync`): with it and the
+    histogram, softmax pooling's selection is one launch whose programs meet there. It changes no result.
 
     Returns block indices [B, Hkv, width] int32: the kept blocks ascending, then -1. width >= rule.keep(NB).
     """
@@ -56,9 +59,21 @@ def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, lengt
     impl = _triton_impl() if q.is_cuda else None
     if impl is None:
         return select_blocks_reference(q, kmax, kmin, length, **args)
-    return impl(q, kmax, kmin, length, histogram=histogram, **args)
+    return impl(q, kmax, kmin, length, histogram=histogram, sync=sync, **args)
 
 
 def new_histogram(batch: int, kv_heads: int, device) -> torch.Tensor:
     """The scratch `select_blocks` keeps between calls, zeroed."""
     return torch.zeros(batch, kv_heads, HIST_BINS, dtype=torch.int32, device=device)
+
+
+def new_sync(batch: int, kv_heads: int, device) -> torch.Tensor:
+    """The sync words `select_blocks` keeps between calls, zeroed (a call leaves them as it found them, but for a
+    count of barriers given up: `barrier_timeouts`)."""
+    return torch.zeros(batch, kv_heads, SYNC_WORDS, dtype=torch.int32, device=device)
+
+
+def barrier_timeouts(sync: torch.Tensor) -> int:
+    """How many times a program of the fused selection stopped waiting for the rest of its row (0 unless the
+    device could not run a row's programs at once; the selection of such a call is not to be trusted)."""
+    return int(sync[..., 2].sum())

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
-from kernels._gdc import grid_dependency_wait, use_pdl
-from kernels._triton_common import check_device, launch_context
-from kernels.block_select.reference import KeepRule, score_bins
+from kernels._gdc import use_pdl
+from kernels._triton_common import INTERPRET, check_device, launch_context, sm_count
+from kernels.block_select.reference import SYNC_WORDS, KeepRule, score_bins
 from kernels.block_select.triton_binned import _binned_topk_kernel
-from kernels.block_select.triton_topk import (HIST_BINS, _block_topk_kernel, _block_topk_resident_kernel,
-                                              count_score_bins)
+from kernels.block_select.triton_fused import _fused_select_kernel
+from kernels.block_select.triton_scores import _block_scores_kernel, _head_bounds_kernel, _softmax_pool_kernel
+from kernels.block_select.triton_topk import HIST_BINS, _block_topk_kernel, _block_topk_resident_kernel
 
 _SCORE_TILE = 64  # blocks per scoring program (mean pooling)
 # Softmax pooling's scoring program: TILE * head_dim descriptor elements each (an H100 sweep at head_dim 128,
@@ -43,148 +43,14 @@ _RESIDENT_MAX = 32768
 _BINNED_MIN_BLOCKS = 16384
 _BINNED_CHUNK = 2048
 _BINNED_WARPS = 8
+# The fused selection (softmax pooling with the histogram and the sync words): parts of a row per program; at most
+# one program an SM, so that a row's programs are all resident and can meet at its barriers. _FUSED_PARTS fixes
+# the parts a row (tests); _FUSED_SPLIT runs the phases as separate launches, as the interpreter does.
+_FUSED_PROGRAMS_PER_SM = 1
+_FUSED_PARTS = 0
+_FUSED_SPLIT = False
+_FUSED_WARPS = 4
 _LOG2E = 1.4426950408889634
-_HIST_BINS = tl.constexpr(HIST_BINS)
-
-
-@triton.jit
-def _block_scores_kernel(
-    Q, Kmax, Kmin, Kmean, Scale, Length, Scores, Hist, n_kv_heads, n_blocks_cap, local_blocks, sink_blocks,
-    stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb, stride_sh, GROUP: tl.constexpr,
-    G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, CENTROID: tl.constexpr,
-    FOLDED: tl.constexpr, QUANT: tl.constexpr, HIST: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Mean pooling (the paper's rule), one (batch, kv head, tile of blocks) per program."""
-    grid_dependency_wait(PDL)
-    pid_bh = tl.program_id(0)
-    tile = tl.program_id(1)
-    b = (pid_bh // n_kv_heads).to(tl.int64)
-    h = (pid_bh % n_kv_heads).to(tl.int64)
-    length = tl.load(Length + b).to(tl.int64)
-    n_blocks = tl.cdiv(length, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
-    scored = (offs < n_blocks - local_blocks) & (offs >= sink_blocks)
-    base = b * stride_db + h * stride_dh + offs[:, None] * stride_dn + offs_d[None, :]
-    top = tl.load(Kmax + base, mask=scored[:, None], other=0.0).to(tl.float32)
-    bottom = tl.load(Kmin + base, mask=scored[:, None], other=0.0).to(tl.float32)
-    if CENTROID and not FOLDED:
-        mean = tl.load(Kmean + base, mask=scored[:, None], other=0.0).to(tl.float32)
-    q_row = Q + b * stride_qb + h * GROUP * stride_qh + offs_d
-    offs_g = tl.arange(0, G_PAD)
-    q = tl.load(q_row[None, :] + offs_g[:, None] * stride_qh, mask=offs_g[:, None] < GROUP, other=0.0)
-    qbar = tl.sum(q.to(tl.float32), 0) / GROUP  # [HEAD_DIM]
-    s = tl.sum(tl.maximum(qbar[None, :] * top, qbar[None, :] * bottom), 1)
-    if QUANT:
-        s = s * tl.load(Scale + b * stride_sb + h * stride_sh + offs, mask=scored, other=0.0)
-    if FOLDED:
-        s = s * 0.5  # the descriptors' bound is Quest's plus q . mean
-    elif CENTROID:
-        s = (s + tl.sum(qbar[None, :] * mean, 1)) * 0.5
-    s = tl.where(scored, s, tl.where(offs < n_blocks, float("inf"), float("-inf")))
-    tl.store(Scores + pid_bh.to(tl.int64) * n_blocks_cap + offs, s, mask=offs < n_blocks_cap)
-    if HIST:
-        count_score_bins(Hist, pid_bh, s, offs < n_blocks, SHIFT, BASE)
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """a: [M, K], b: [N, K] -> a @ b.T [M, N] fp32."""
-    if IEEE:
-        out = tl.dot(a, tl.trans(b), input_precision="ieee")
-    else:
-        out = tl.dot(a, tl.trans(b))
-    return out
-
-
-@triton.jit
-def _head_bounds_kernel(
-    Q, Kmax, Kmin, Kmean, Scale, Length, Bounds, TileMax, TileSum, Hist, n_kv_heads, n_blocks_cap, n_tiles,
-    local_blocks, sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb,
-    stride_sh, GROUP: tl.constexpr, G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-    TILE: tl.constexpr, CENTROID: tl.constexpr, FOLDED: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
-    HIST_SLICE: tl.constexpr, PDL: tl.constexpr,
-):
-    """Softmax pooling's first half, one (batch, kv head, tile of blocks) per program: every head's scaled
-    bounds, and the tile's per-head max and sum of exp2. Quest's bound is two products on the tensor cores:
-    sum_d max(q_d * kmax_d, q_d * kmin_d) = max(q, 0) . kmax + min(q, 0) . kmin, as kmax >= kmin. QUANT: int8
-    descriptors, exact in half precision (|code| <= 127), the products then scaled per block. HIST_SLICE > 0:
-    the tiles clear the row's histogram, HIST_SLICE bins each, for the pool kernel to count this call's scores."""
-    grid_dependency_wait(PDL)
-    pid_bh = tl.program_id(0)
-    tile = tl.program_id(1)
-    if HIST_SLICE > 0:
-        offs_h = tile * HIST_SLICE + tl.arange(0, HIST_SLICE)
-        tl.store(Hist + pid_bh.to(tl.int64) * _HIST_BINS + offs_h, tl.zeros([HIST_SLICE], tl.int32),
-                 mask=offs_h < _HIST_BINS)
-    b = (pid_bh // n_kv_heads).to(tl.int64)
-    h = (pid_bh % n_kv_heads).to(tl.int64)
-    n_blocks = tl.cdiv(tl.load(Length + b).to(tl.int64), BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
-    scored = (offs < n_blocks - local_blocks) & (offs >= sink_blocks)
-    base = b * stride_db + h * stride_dh + offs[:, None] * stride_dn + offs_d[None, :]
-    top = tl.load(Kmax + base, mask=scored[:, None], other=0.0)  # [TILE, HEAD_DIM]
-    bottom = tl.load(Kmin + base, mask=scored[:, None], other=0.0)
-    offs_g = tl.arange(0, G_DOT)  # the group's heads, padded to a tensor-core tile with zero rows
-    q = tl.load(Q + b * stride_qb + (h * GROUP + offs_g[:, None]) * stride_qh + offs_d[None, :],
-                mask=offs_g[:, None] < GROUP, other=0.0)
-    if QUANT:
-        top, bottom = top.to(Q.dtype.element_ty), bottom.to(Q.dtype.element_ty)
-    if IEEE:
-        q, top, bottom = q.to(tl.float32), top.to(tl.float32), bottom.to(tl.float32)
-    else:
-        q = q.to(top.dtype)
-    zero = tl.zeros_like(q)
-    q_pos = tl.maximum(q, zero).to(top.dtype)  # Triton computes half-precision max / min in fp32
-    q_neg = tl.minimum(q, zero).to(top.dtype)
-    s = _dot(q_pos, top, IEEE) + _dot(q_neg, bottom, IEEE)  # [G_DOT, TILE]
-    if QUANT:
-        s = s * tl.load(Scale + b * stride_sb + h * stride_sh + offs, mask=scored, other=0.0)[None, :]
-    if FOLDED:
-        s = s * 0.5  # the descriptors' bound is Quest's plus q . mean
-    elif CENTROID:
-        mean = tl.load(Kmean + base, mask=scored[:, None], other=0.0)
-        s = (s + _dot(q, mean.to(q.dtype), IEEE)) * 0.5
-    s = tl.where(scored[None, :], s * scale_log2, float("-inf"))
-    m = tl.max(s, 1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    rows = pid_bh.to(tl.int64) * GROUP + offs_g
-    heads = offs_g < GROUP
-    tl.store(Bounds + rows[:, None] * n_blocks_cap + offs[None, :], s,
-             mask=heads[:, None] & (offs[None, :] < n_blocks_cap))
-    tl.store(TileMax + rows * n_tiles + tile, m, mask=heads)
-    tl.store(TileSum + rows * n_tiles + tile, tl.sum(tl.exp2(s - m_safe[:, None]), 1), mask=heads)
-
-
-@triton.jit
-def _softmax_pool_kernel(
-    Bounds, TileMax, TileSum, Length, Scores, Hist, n_kv_heads, n_blocks_cap, n_tiles, local_blocks, sink_blocks,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, NT_PAD: tl.constexpr, HIST: tl.constexpr,
-    SHIFT: tl.constexpr, BASE: tl.constexpr, PDL: tl.constexpr,
-):
-    """Scores of one tile: sum over the group's heads of exp2(bound - max) / sum, max and sum over all tiles."""
-    grid_dependency_wait(PDL)
-    pid_bh = tl.program_id(0).to(tl.int64)
-    b = pid_bh // n_kv_heads
-    n_blocks = tl.cdiv(tl.load(Length + b).to(tl.int64), BLOCK)
-    offs = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
-    offs_t = tl.arange(0, NT_PAD)
-    acc = tl.zeros([TILE], dtype=tl.float32)
-    for g in tl.static_range(GROUP):
-        row = pid_bh * GROUP + g
-        m_t = tl.load(TileMax + row * n_tiles + offs_t, mask=offs_t < n_tiles, other=float("-inf"))
-        m = tl.max(m_t, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        z = tl.sum(tl.load(TileSum + row * n_tiles + offs_t, mask=offs_t < n_tiles, other=0.0) * tl.exp2(m_t - m), 0)
-        s = tl.load(Bounds + row * n_blocks_cap + offs, mask=offs < n_blocks_cap, other=float("-inf"))
-        acc += tl.exp2(s - m) / tl.maximum(z, 1e-30)
-    scored = (offs < n_blocks - local_blocks) & (offs >= sink_blocks)
-    acc = tl.where(scored, acc, tl.where(offs < n_blocks, float("inf"), float("-inf")))
-    tl.store(Scores + pid_bh * n_blocks_cap + offs, acc, mask=offs < n_blocks_cap)
-    if HIST:
-        count_score_bins(Hist, pid_bh, acc, offs < n_blocks, SHIFT, BASE)
 
 
 def resident_layout(n_blocks: int) -> tuple[int, int, int]:
@@ -199,13 +65,14 @@ def resident_layout(n_blocks: int) -> tuple[int, int, int]:
 def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                          block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
                          kmean: torch.Tensor | None = None, folded: bool = False,
-                         histogram: torch.Tensor | None = None,
-                         descriptor_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         histogram: torch.Tensor | None = None, descriptor_scale: torch.Tensor | None = None,
+                         sync: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.select_blocks; CUDA-graph capturable. histogram: int32 [B, Hkv, HIST_BINS]
     scratch kept by the caller across calls. The scoring kernels count the scores' bins into it and the top-k
     takes the k-th score's bin from it: one program a row zeroes it again and does not use one that does not count
     the row's blocks; for the chunked top-k the bounds kernel clears it first, and it keeps this call's counts.
-    Without it the top-k searches from the scores' range."""
+    Without it the top-k searches from the scores' range. sync: int32 [B, Hkv, SYNC_WORDS], zeroed once and kept
+    by the caller: with it and the histogram, softmax pooling's selection runs as one launch (triton_fused.py)."""
     if q.dim() != 3:
         raise ValueError(f"expected q of shape [B, Hq, D], got {tuple(q.shape)}")
     B, Hq, D = q.shape
@@ -240,9 +107,14 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                                   or not histogram.is_contiguous()):
         raise ValueError(f"expected histogram of shape [{B}, {kmax.shape[1]}, {HIST_BINS}] int32 contiguous, got "
                          f"{tuple(histogram.shape)} {histogram.dtype}")
+    if sync is not None and (sync.shape != (B, kmax.shape[1], SYNC_WORDS) or sync.dtype != torch.int32
+                             or not sync.is_contiguous()):
+        raise ValueError(f"expected sync of shape [{B}, {kmax.shape[1]}, {SYNC_WORDS}] int32 contiguous, got "
+                         f"{tuple(sync.shape)} {sync.dtype}")
     described = (("kmean", kmean),) if separate_mean else ()
     described += (("histogram", histogram),) if histogram is not None else ()
     described += (("descriptor_scale", descriptor_scale),) if quant else ()
+    described += (("sync", sync),) if sync is not None else ()
     for name, t in (("q", q), ("kmax", kmax), ("kmin", kmin), ("length", length), *described):
         check_device(name, t, q.device)
     group = Hq // Hkv
@@ -258,6 +130,35 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     shift, base = score_bins(rule.pooling, group)
     scale_arg = descriptor_scale if quant else length  # never read without QUANT
     scale_strides = (descriptor_scale.stride(0), descriptor_scale.stride(1)) if quant else (0, 0)
+    # Tensor-core products in the descriptors' half precision when q shares it (int8 codes: in q's); fp32 otherwise.
+    ieee = q.dtype == torch.float32 if quant else (kmax.dtype == torch.float32 or q.dtype != kmax.dtype)
+    bounds_args = (q, kmax, kmin, kmean if separate_mean else kmax, scale_arg, length)
+    bounds_tail = (q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2), *scale_strides)
+    bounds_options = dict(GROUP=group, G_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
+                          TILE=tile, CENTROID=rule.centroid, FOLDED=fold, QUANT=quant, IEEE=ieee)
+    w_pad = max(16, triton.next_power_of_2(width))
+    if softmax and hist and sync is not None and NB < 65536:
+        parts = _FUSED_PARTS or max(1, sm_count(q.device) * _FUSED_PROGRAMS_PER_SM // (B * Hkv))
+        n_sub = triton.cdiv(n_tiles, min(parts, n_tiles))
+        parts = triton.cdiv(n_tiles, n_sub)
+        # Scratch: each head's scaled bounds, per part each head's max and sum of exp2, and its packed counts.
+        bounds = torch.empty(B, Hkv, group, NB, device=q.device, dtype=torch.float32)
+        part_max = torch.empty(B, Hkv, group, parts, device=q.device, dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
+        counts = torch.empty(B, Hkv, parts, device=q.device, dtype=torch.int32)
+        # One launch; phase by phase where a row's programs cannot meet (the interpreter runs them in turn).
+        split = _FUSED_SPLIT or (INTERPRET and parts > 1)
+        phases = ((1, 1), (2, 2), (3, 3), (4, 4)) if split else ((1, 4),)
+        with launch_context(q.device):
+            for first, last in phases:
+                _fused_select_kernel[(B * Hkv, parts)](
+                    *bounds_args, bounds, part_max, part_sum, scores, histogram, counts, sync, out, Hkv, NB, parts,
+                    n_sub, width, num, den, rule.min_blocks, rule.local_blocks, rule.sink_blocks, scale * _LOG2E,
+                    *bounds_tail, **bounds_options, P_PAD=max(16, triton.next_power_of_2(parts)),
+                    HIST_SLICE=max(16, triton.next_power_of_2(triton.cdiv(HIST_BINS, parts))), W_PAD=w_pad,
+                    SHIFT=shift, BASE=base, FIRST=first, LAST=last, PDL=pdl, launch_pdl=pdl, num_warps=_FUSED_WARPS,
+                )
+        return out
     # The chunked top-k takes the histogram as this call's counts: the bounds kernel clears it first.
     chunked = softmax and hist and _BINNED_MIN_BLOCKS <= NB <= _RESIDENT_MAX
     with launch_context(q.device):
@@ -266,15 +167,9 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
             bounds = torch.empty(B, Hkv, group, NB, device=q.device, dtype=torch.float32)
             tile_max = torch.empty(B, Hkv, group, n_tiles, device=q.device, dtype=torch.float32)
             tile_sum = torch.empty_like(tile_max)
-            # Tensor-core products in the descriptors' half precision when q shares it (int8 codes: in q's); fp32
-            # otherwise.
-            ieee = q.dtype == torch.float32 if quant else (kmax.dtype == torch.float32 or q.dtype != kmax.dtype)
             _head_bounds_kernel[(B * Hkv, n_tiles)](
-                q, kmax, kmin, kmean if separate_mean else kmax, scale_arg, length, bounds, tile_max, tile_sum,
-                hist_arg, Hkv, NB, n_tiles, rule.local_blocks, rule.sink_blocks, scale * _LOG2E, q.stride(0),
-                q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2), *scale_strides, GROUP=group,
-                G_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size, TILE=tile,
-                CENTROID=rule.centroid, FOLDED=fold, QUANT=quant, IEEE=ieee,
+                *bounds_args, bounds, tile_max, tile_sum, hist_arg, Hkv, NB, n_tiles, rule.local_blocks,
+                rule.sink_blocks, scale * _LOG2E, *bounds_tail, **bounds_options,
                 HIST_SLICE=max(16, triton.next_power_of_2(triton.cdiv(HIST_BINS, n_tiles))) if chunked else 0,
                 PDL=pdl, launch_pdl=pdl, num_warps=_SCORE_WARPS,
             )
@@ -296,14 +191,14 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
             main, rest, _ = resident_layout(NB)
             _binned_topk_kernel[(B * Hkv, triton.cdiv(NB, _BINNED_CHUNK))](
                 scores, length, out, histogram, NB, width, num, den, rule.min_blocks, Hkv, BLOCK=block_size,
-                NB_MAIN=main, NB_REST=rest, CHUNK=_BINNED_CHUNK, W_PAD=max(16, triton.next_power_of_2(width)),
+                NB_MAIN=main, NB_REST=rest, CHUNK=_BINNED_CHUNK, W_PAD=w_pad,
                 SHIFT=shift, BASE=base, PDL=pdl, launch_pdl=pdl, num_warps=_BINNED_WARPS,
             )
         elif NB <= _RESIDENT_MAX:
             main, rest, warps = resident_layout(NB)
             _block_topk_resident_kernel[(B * Hkv,)](
                 scores, length, out, hist_arg, NB, width, num, den, rule.min_blocks, Hkv,
-                BLOCK=block_size, NB_MAIN=main, NB_REST=rest, W_PAD=max(16, triton.next_power_of_2(width)), HIST=hist,
+                BLOCK=block_size, NB_MAIN=main, NB_REST=rest, W_PAD=w_pad, HIST=hist,
                 SHIFT=shift, BASE=base, BINNED=softmax, PDL=pdl, launch_pdl=pdl, num_warps=_TOPK_WARPS or warps,
             )
         else:

@@ -31,7 +31,8 @@ def _kth_bin(Hist, pid_bh, k):
     """(bin, above) of row pid_bh of Hist [B * Hkv, 64 * 64]: the bin of the k-th largest score, and the count of
     scores in higher bins. Rows of 64 bins first, then the bins of the row that holds the k-th score."""
     offs = tl.arange(0, 64)
-    h = tl.load(Hist + pid_bh * 4096 + offs[:, None] * 64 + offs[None, :])  # [row, bin in row]
+    # From L2: other programs of the same launch may have counted into it.
+    h = tl.load(Hist + pid_bh * 4096 + offs[:, None] * 64 + offs[None, :], cache_modifier=".cg")  # [row, bin]
     per_row = tl.sum(h, 1)
     row = tl.max(tl.where(tl.cumsum(per_row, 0, reverse=True) >= k, offs, 0), 0)
     above_rows = tl.sum(tl.where(offs > row, per_row, 0), 0)

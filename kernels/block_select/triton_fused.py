@@ -1,0 +1,143 @@
+"""Softmax pooling's whole selection in one launch: bounds, pooled scores, their histogram and the binned top-k.
+
+The selection has three row-wide dependencies: the heads' softmax needs every block's bound for its max and sum,
+the k-th score's bin needs every score counted, and a block's place in the ascending output needs the count of
+blocks kept before it. Split into launches (triton.py) each dependency costs a kernel boundary, several µs of
+a decode step's layer. Here one program per (batch, kv head, part of the row) runs four phases and the row's
+programs meet between them at a barrier in global memory (`row_barrier`):
+
+1. bounds of the part's blocks (tile_bounds), its per-head max and sum of exp2, and a slice of the row's histogram
+   cleared;
+2. the part's pooled scores (pool_scores, over every part's max and sum), counted into the histogram;
+3. the k-th score's bin from the histogram (_kth_bin), and the part's blocks above it and tied with it;
+4. the part's kept blocks written at their places (the counts of the parts before it), -1 past k.
+
+A barrier only works if every program of the row is resident at once: the launcher never starts more programs
+than the device has SMs, and a program waits a bounded number of polls before it gives up and records that in
+the row's sync words (`barrier_timeouts`). The sync words are scratch the caller keeps zeroed between calls
+(`new_sync`); each barrier leaves its count at zero. Triton's interpreter runs programs one after another, so
+there (and wherever `FIRST`/`LAST` split the phases) the phases run as separate launches of the same kernel.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels._gdc import grid_dependency_wait
+from kernels.block_select.reference import SYNC_WORDS
+from kernels.block_select.triton_binned import _kth_bin
+from kernels.block_select.triton_scores import clear_histogram_slice, pool_scores, tile_bounds
+from kernels.block_select.triton_topk import (_above_and_ties, _bin_of, _head_and_k, _int_key, _store_taken,
+                                              count_score_bins)
+
+# A row's sync words (reference.SYNC_WORDS): arrivals, generation, barriers given up, unused.
+_SYNC_WORDS = tl.constexpr(SYNC_WORDS)
+_MAX_POLLS = tl.constexpr(1 << 22)  # about a second of polling: far past any phase's time, short of a hang
+
+
+@triton.jit
+def row_barrier(Sync, row, n_programs):
+    """Wait until the n_programs programs of `row` have all arrived. A sense-reversing barrier: the last to
+    arrive resets the count and advances the generation the others poll. Every thread's writes before it are
+    visible to every program of the row after it (bar.sync, then release / acquire by one thread)."""
+    tl.debug_barrier()
+    count = Sync + row * _SYNC_WORDS
+    generation = tl.atomic_add(count + 1, 0, sem="acquire")
+    if tl.atomic_add(count, 1, sem="acq_rel") == n_programs - 1:
+        tl.atomic_xchg(count, 0, sem="relaxed")
+        tl.atomic_add(count + 1, 1, sem="release")
+    else:
+        polls = 0
+        waiting = True
+        while waiting:
+            polls += 1
+            waiting = (tl.atomic_add(count + 1, 0, sem="acquire") == generation) & (polls < _MAX_POLLS)
+        if polls >= _MAX_POLLS:
+            tl.atomic_add(count + 2, 1, sem="relaxed")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _part_keys(Scores, pid_bh, offs, n_blocks, n_blocks_cap, thr, SHIFT: tl.constexpr, BASE: tl.constexpr):
+    inside = offs < n_blocks
+    s = tl.load(Scores + pid_bh * n_blocks_cap + offs, mask=inside, other=float("-inf"), cache_modifier=".cg")
+    key = _bin_of(_int_key(s), SHIFT, BASE)
+    return key, inside, _above_and_ties(key, inside, thr)
+
+
+@triton.jit
+def _fused_select_kernel(
+    Q, Kmax, Kmin, Kmean, Scale, Length, Bounds, PartMax, PartSum, Scores, Hist, Counts, Sync, Out,
+    n_kv_heads, n_blocks_cap, n_programs, n_sub, width, ratio_num, ratio_den, min_blocks, local_blocks, sink_blocks,
+    scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb, stride_sh,
+    GROUP: tl.constexpr, G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+    CENTROID: tl.constexpr, FOLDED: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, P_PAD: tl.constexpr,
+    HIST_SLICE: tl.constexpr, W_PAD: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr, FIRST: tl.constexpr,
+    LAST: tl.constexpr, PDL: tl.constexpr,
+):
+    """Out [B * Hkv, width] int32 from q [B, Hq, D] and the descriptors; program (row, part) covers the n_sub tiles
+    of TILE blocks from part * n_sub. Phases FIRST..LAST run in this launch (1..4: all of them)."""
+    grid_dependency_wait(PDL)
+    pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
+    part = tl.program_id(1)
+    b = pid_bh // n_kv_heads
+    h = pid_bh % n_kv_heads
+    first_block = part.to(tl.int64) * n_sub * TILE
+    offs_g = tl.arange(0, G_DOT)
+    heads = offs_g < GROUP
+    rows = pid_bh * GROUP + offs_g
+    if FIRST <= 1:
+        clear_histogram_slice(Hist, pid_bh, part, HIST_SLICE)
+        m_run = tl.full([G_DOT], float("-inf"), tl.float32)
+        z_run = tl.zeros([G_DOT], tl.float32)
+        for t in range(n_sub):
+            offs = first_block + t * TILE + tl.arange(0, TILE)
+            s = tile_bounds(Q, Kmax, Kmin, Kmean, Scale, b, h, offs, n_blocks, local_blocks, sink_blocks,
+                            scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb, stride_sh,
+                            GROUP, G_DOT, HEAD_DIM, CENTROID, FOLDED, QUANT, IEEE)
+            tl.store(Bounds + rows[:, None] * n_blocks_cap + offs[None, :], s,
+                     mask=heads[:, None] & (offs[None, :] < n_blocks_cap))
+            m_new = tl.maximum(m_run, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            z_run = z_run * tl.exp2(m_run - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+            m_run = m_new
+        tl.store(PartMax + rows * n_programs + part, m_run, mask=heads)
+        tl.store(PartSum + rows * n_programs + part, z_run, mask=heads)
+        if LAST >= 2:
+            row_barrier(Sync, pid_bh, n_programs)
+    if FIRST <= 2 and LAST >= 2:
+        for t in range(n_sub):
+            offs = first_block + t * TILE + tl.arange(0, TILE)
+            acc = pool_scores(Bounds, PartMax, PartSum, pid_bh, offs, n_blocks, n_blocks_cap, n_programs,
+                              local_blocks, sink_blocks, GROUP, P_PAD)
+            tl.store(Scores + pid_bh * n_blocks_cap + offs, acc, mask=offs < n_blocks_cap)
+            count_score_bins(Hist, pid_bh, acc, offs < n_blocks, SHIFT, BASE)
+        if LAST >= 3:
+            row_barrier(Sync, pid_bh, n_programs)
+    if FIRST <= 3 and LAST >= 3:
+        thr, above = _kth_bin(Hist, pid_bh, k)
+        packed = tl.zeros([], tl.uint32)
+        for t in range(n_sub):
+            offs = first_block + t * TILE + tl.arange(0, TILE)
+            _, _, both = _part_keys(Scores, pid_bh, offs, n_blocks, n_blocks_cap, thr, SHIFT, BASE)
+            packed += tl.sum(both, 0)
+        tl.store(Counts + pid_bh * n_programs + part, packed.to(tl.int32, bitcast=True))
+        if LAST >= 4:
+            row_barrier(Sync, pid_bh, n_programs)
+    if LAST >= 4:
+        if FIRST == 4:
+            thr, above = _kth_bin(Hist, pid_bh, k)
+        offs_p = tl.arange(0, P_PAD)
+        counts = tl.load(Counts + pid_bh * n_programs + offs_p, mask=offs_p < part, other=0, cache_modifier=".cg")
+        before = tl.sum(counts.to(tl.uint32, bitcast=True), 0)
+        ties = (k - above).to(tl.int32)
+        out_row = Out + pid_bh * width
+        for t in range(n_sub):
+            offs = first_block + t * TILE + tl.arange(0, TILE)
+            key, inside, both = _part_keys(Scores, pid_bh, offs, n_blocks, n_blocks_cap, thr, SHIFT, BASE)
+            _store_taken(out_row, key, inside, offs, before + tl.cumsum(both, 0), thr, ties)
+            before += tl.sum(both, 0)
+        if part == 0:
+            offs_w = tl.arange(0, W_PAD)
+            tl.store(out_row + offs_w, tl.full([W_PAD], -1, tl.int32), mask=(offs_w >= k) & (offs_w < width))
