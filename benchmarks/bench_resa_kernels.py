@@ -27,7 +27,7 @@ from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.block_descriptors import update_block_descriptors  # noqa: E402
-from kernels.block_select import KeepRule, new_histogram, select_blocks  # noqa: E402
+from kernels.block_select import KeepRule, barrier_timeouts, new_histogram, new_sync, select_blocks  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
 from kernels.kv_append import append_kv  # noqa: E402
 from kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
@@ -55,11 +55,11 @@ def bench(shape: str, length: int, rule: KeepRule, int8: bool = False) -> dict:
     update_block_descriptors(k, kmax, kmin, n, length, BLOCK, fold_mean=fold, scale=kscale)
     width = rule.keep(n_blocks)
     scale = D**-0.5
-    histogram = new_histogram(1, Hkv, "cuda")  # as the engine calls it
+    histogram, sync = new_histogram(1, Hkv, "cuda"), new_sync(1, Hkv, "cuda")  # as the engine calls it
 
-    def select():
+    def select(fused: bool = True):
         return select_blocks(q, kmax, kmin, n, block_size=BLOCK, rule=rule, width=width, scale=scale, folded=fold,
-                             histogram=histogram, descriptor_scale=kscale)
+                             histogram=histogram, descriptor_scale=kscale, sync=sync if fused else None)
 
     blocks = select()
     q_rect = torch.randn(1, Hq, RECTIFY, D, **opts)
@@ -83,6 +83,7 @@ def bench(shape: str, length: int, rule: KeepRule, int8: bool = False) -> dict:
         "estimation": estimation,
         "descriptor_update": lambda: update_block_descriptors(k, kmax, kmin, n, 1, BLOCK, fold_mean=fold, scale=kscale),
         "select": select,
+        "select_without_sync": lambda: select(False),
         "kv_write_and_descriptors_separate": kv_write_separate,
         "kv_write_and_descriptors_fused": lambda: append_kv(k, v, k_new, v_new, last, descriptors=(kmax, kmin, None),
                                                             length=n, block_size=BLOCK, fold_mean=fold,
@@ -145,12 +146,14 @@ def sweep_sparse(shape: str = "llama-3.1-8b", length: int = 131072) -> list[dict
 def sweep_select(lengths: list[int], rule: KeepRule, shape: str = "llama-3.1-8b", int8: bool = False) -> list[dict]:
     """Block selection with the histogram, as the engine calls it (one layer, median ms): the scoring tile and
     warps, then the binned top-k's chunk and warps (softmax pooling) or the one-program top-k's warps (mean
-    pooling; 0 = the launcher's rule). int8: int8 descriptors with their scale, as resa.yaml keeps them."""
+    pooling; 0 = the launcher's rule); softmax pooling also as one launch (with the sync words: the tile, warps
+    and programs an SM). int8: int8 descriptors with their scale, as resa.yaml keeps them."""
     import kernels.block_select.triton as sel
 
     Hq, Hkv, D = SHAPES[shape]
     opts = dict(device="cuda", dtype=torch.bfloat16)
-    names = ("_DOT_ELEMENTS", "_SCORE_WARPS", "_TOPK_WARPS", "_BINNED_CHUNK", "_BINNED_WARPS")
+    names = ("_DOT_ELEMENTS", "_SCORE_WARPS", "_TOPK_WARPS", "_BINNED_CHUNK", "_BINNED_WARPS", "_FUSED_WARPS",
+             "_FUSED_PROGRAMS_PER_SM")
     saved = {name: getattr(sel, name) for name in names}
     rows = []
     for length in lengths:
@@ -168,12 +171,16 @@ def sweep_select(lengths: list[int], rule: KeepRule, shape: str = "llama-3.1-8b"
         configs = [{"_DOT_ELEMENTS": t * D, "_SCORE_WARPS": w} for t in (32, 64, 128) for w in (2, 4, 8)]
         if rule.pooling == "softmax":
             configs += [{"_BINNED_CHUNK": c, "_BINNED_WARPS": w} for c in (256, 512, 1024, 2048) for w in (2, 4, 8)]
+            configs += [{"sync": True, "_DOT_ELEMENTS": t * D, "_FUSED_WARPS": w, "_FUSED_PROGRAMS_PER_SM": p}
+                        for t in (32, 64, 128) for w in (4, 8) for p in (1, 2)]
         else:
             configs += [{"_TOPK_WARPS": w} for w in (4, 8, 16, 32)]
         for config in configs:
             for name, value in {**saved, **config}.items():
-                setattr(sel, name, value)
-            fn = lambda: sel.select_blocks_triton(q, kmax, kmin, n, **args)  # noqa: E731
+                if name != "sync":
+                    setattr(sel, name, value)
+            sync = new_sync(1, Hkv, "cuda") if config.get("sync") else None
+            fn = lambda: sel.select_blocks_triton(q, kmax, kmin, n, sync=sync, **args)  # noqa: E731
             try:
                 same = torch.equal(fn(), expected)
                 with torch.cuda.stream(torch.cuda.Stream()):
@@ -181,6 +188,8 @@ def sweep_select(lengths: list[int], rule: KeepRule, shape: str = "llama-3.1-8b"
             except Exception as e:  # a config that does not compile is reported and skipped
                 print(f"select {length} {config}: {type(e).__name__}: {e}"[:300])
                 continue
+            if sync is not None:
+                config["barriers_given_up"] = barrier_timeouts(sync)
             rows.append({"length": length, **config, "ms": ms, "same_blocks_as_default": same})
             print(f"select {length} {config}: {ms:.4f} ms same={same}", flush=True)
         for name, value in saved.items():
@@ -267,7 +276,8 @@ def main() -> None:
                                             "keep_ratio": args.keep_ratio, "rows": rows}, indent=2) + "\n")
         return
     rows = []
-    cols = ("dense_attention", "descriptor_update", "select", "sparse_attention", "rectify_attention_triton",
+    cols = ("dense_attention", "descriptor_update", "select", "select_without_sync", "sparse_attention",
+            "rectify_attention_triton",
             "rectify_attention_sdpa")
     print(f"{'shape':<13} {'length':>7} " + " ".join(f"{c[:16]:>16}" for c in cols) + "  speedup", flush=True)
     for shape in SHAPES:
