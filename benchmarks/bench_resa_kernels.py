@@ -197,6 +197,51 @@ def sweep_select(lengths: list[int], rule: KeepRule, shape: str = "llama-3.1-8b"
     return rows
 
 
+def fused_phases(lengths: list[int], rule: KeepRule, shape: str = "qwen3-1.7b", int8: bool = False) -> list[dict]:
+    """The fused selection's time up to each of its four phases (the kernel stopped after phase 1..4: bounds, pooled
+    scores, the k-th bin and counts, the output), over programs an SM, warps and the bounds loop's pipelining, next
+    to the selection as separate launches (median us of CUDA-graph replays, one layer)."""
+    import kernels.block_select.triton as sel
+
+    Hq, Hkv, D = SHAPES[shape]
+    names = ("_FUSED_PROGRAMS_PER_SM", "_FUSED_WARPS", "_FUSED_STAGES", "_FUSED_LAST")
+    saved = {name: getattr(sel, name) for name in names}
+    rows = []
+    for length in lengths:
+        q = torch.randn(1, Hq, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, Hkv, length, D, device="cuda", dtype=torch.bfloat16)
+        n_blocks = triton.cdiv(length, BLOCK)
+        kmax, kmin = (torch.empty(1, Hkv, n_blocks, D, device="cuda", dtype=torch.int8 if int8 else torch.bfloat16)
+                      for _ in range(2))
+        kscale = torch.empty(1, Hkv, n_blocks, device="cuda") if int8 else None
+        n = torch.tensor([length], device="cuda")
+        update_block_descriptors(k, kmax, kmin, n, length, BLOCK, fold_mean=rule.centroid, scale=kscale)
+        args = dict(block_size=BLOCK, rule=rule, width=rule.keep(n_blocks), scale=D**-0.5, folded=rule.centroid,
+                    histogram=new_histogram(1, Hkv, "cuda"), descriptor_scale=kscale)
+        expected = sel.select_blocks_triton(q, kmax, kmin, n, **args)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            unfused = do_bench_cudagraph(lambda: sel.select_blocks_triton(q, kmax, kmin, n, **args), rep=100,
+                                         return_mode="median") * 1e3
+        for per_sm, warps, stages in ((1, 4, 1), (2, 4, 1), (3, 4, 1), (1, 4, 2), (2, 4, 2), (1, 4, 3), (2, 4, 3),
+                                      (2, 8, 2)):
+            sel._FUSED_PROGRAMS_PER_SM, sel._FUSED_WARPS, sel._FUSED_STAGES = per_sm, warps, stages
+            sync = new_sync(1, Hkv, "cuda")
+            fn = lambda: sel.select_blocks_triton(q, kmax, kmin, n, sync=sync, **args)  # noqa: E731
+            us = []
+            for last in (1, 2, 3, 4):
+                sel._FUSED_LAST = last
+                same = torch.equal(fn(), expected)
+                with torch.cuda.stream(torch.cuda.Stream()):
+                    us.append(do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3)
+            row = {"length": length, "programs_per_sm": per_sm, "warps": warps, "stages": stages, "us_to_phase": us,
+                   "same_blocks": same, "barriers_given_up": barrier_timeouts(sync), "unfused_us": unfused}
+            rows.append(row)
+            print(row, flush=True)
+            for name, value in saved.items():
+                setattr(sel, name, value)
+    return rows
+
+
 def sweep_rectify(lengths: list[int]) -> list[dict]:
     """Rows per program, warps and stages of the few-query kernel for rectification's G x 32 rows (median ms of
     one layer; rows 64 at 4 warps was the configuration before MANY_ROWS). Gemma 3's shape (4 heads on 1 KV
@@ -250,6 +295,8 @@ def main() -> None:
     parser.add_argument("--sweep-sparse", action="store_true", help="only sweep the sparse kernel's tiling")
     parser.add_argument("--sweep-select", action="store_true", help="only sweep the selection's tiling and search")
     parser.add_argument("--sweep-rectify", action="store_true", help="only sweep the rectification kernel's rows")
+    parser.add_argument("--fused-phases", action="store_true",
+                        help="only time the fused selection's phases (softmax pooling) over its launch settings")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/bench_resa_kernels.py needs a CUDA device")
@@ -268,6 +315,11 @@ def main() -> None:
             args.out.write_text(json.dumps({**meta, "rectify_tokens": RECTIFY, "rows": rows}, indent=2) + "\n")
         return
     rule = KeepRule(args.keep_ratio, 16, 1, 1, args.pooling, centroid=args.centroid)
+    if args.fused_phases:
+        rows = fused_phases(list(map(int, args.lengths.split(","))), rule, args.shape, args.int8)
+        if args.out:
+            args.out.write_text(json.dumps({**meta, "shape": args.shape, "rows": rows}, indent=2) + "\n")
+        return
     if args.sweep_select:
         rows = sweep_select(list(map(int, args.lengths.split(","))), rule, args.shape, args.int8)
         if args.out:

@@ -1,9 +1,10 @@
-"""Triton block scoring and top-k selection: two launches (three with softmax pooling), no host synchronisation.
+"""Triton block scoring and top-k selection: two launches (three with softmax pooling), no host synchronisation;
+softmax pooling with the histogram and the sync words is one launch (triton_fused.py), what the engine runs.
 
-1. One program per (batch, kv head, tile of blocks); blocks past the end are not read. Mean pooling:
-   `_block_scores_kernel`, the group-averaged query against the tile's max/min descriptors. Softmax pooling:
-   `_head_bounds_kernel` writes each head's scaled bounds (Quest's bound as two tensor-core products) and the
-   tile's per-head max and sum of exponentials, and `_softmax_pool_kernel` (same grid) reduces those over
+1. One program per (batch, kv head, tile of blocks); blocks past the end are not read (triton_scores.py). Mean
+   pooling: `_block_scores_kernel`, the group-averaged query against the tile's max/min descriptors. Softmax
+   pooling: `_head_bounds_kernel` writes each head's scaled bounds (Quest's bound as two tensor-core products) and
+   the tile's per-head max and sum of exponentials, and `_softmax_pool_kernel` (same grid) reduces those over
    the tiles and sums the heads' probabilities.
 2. The top-k: exact for mean pooling, by the scores' bins for softmax pooling (reference.KeepRule). One program
    per (batch, kv head) in triton_topk.py, in registers up to _RESIDENT_MAX blocks, in passes over L2 past it;
@@ -43,14 +44,62 @@ _RESIDENT_MAX = 32768
 _BINNED_MIN_BLOCKS = 16384
 _BINNED_CHUNK = 2048
 _BINNED_WARPS = 8
-# The fused selection (softmax pooling with the histogram and the sync words): parts of a row per program; at most
-# one program an SM, so that a row's programs are all resident and can meet at its barriers. _FUSED_PARTS fixes
-# the parts a row (tests); _FUSED_SPLIT runs the phases as separate launches, as the interpreter does.
-_FUSED_PROGRAMS_PER_SM = 1
+# The fused selection (softmax pooling with the histogram and the sync words): a row in parts, one program each,
+# at most as many programs as the device holds at once, so that a row's programs can meet at its barriers. An H200
+# sweep (Qwen3-1.7B shape, int8, 128K / 256K): 2 programs an SM, 4 warps, the bounds' loop pipelined 3 deep
+# (20.6 / 33.8 us against 23.4 / 40.6 at 1 an SM without pipelining; 4 an SM did not fit). _FUSED_PARTS fixes the
+# parts a row (tests); _FUSED_SPLIT runs the phases as separate launches, as the interpreter does.
+_FUSED_PROGRAMS_PER_SM = 2
 _FUSED_PARTS = 0
 _FUSED_SPLIT = False
 _FUSED_WARPS = 4
+_FUSED_STAGES = 3  # software pipelining of the bounds' loop over a part's tiles
+_FUSED_LAST = 4  # the last phase run (benchmarks time the phases by stopping early; the output is then unset)
 _LOG2E = 1.4426950408889634
+
+
+# Programs a device holds at once, by (device, the fused kernel's constexprs): _launch_fused.
+_RESIDENT: dict = {}
+
+
+def _launch_fused(head: tuple, tail: tuple, options: dict, rows: int, n_tiles: int, group: int) -> None:
+    """Launch _fused_select_kernel with head + (part maxima, part sums) + tail, its None slots filled with the
+    counts scratch, the parts a row and the tiles a part. The parts come from _FUSED_PROGRAMS_PER_SM, lowered
+    until the compiled kernel fits that many programs on an SM at once, so that a row's programs can meet."""
+    device = head[0].device
+    per_sm = _FUSED_PROGRAMS_PER_SM
+    while True:
+        parts = _FUSED_PARTS or max(1, sm_count(device) * per_sm // rows)
+        n_sub = triton.cdiv(n_tiles, min(parts, n_tiles))
+        parts = triton.cdiv(n_tiles, n_sub)
+        part_max = torch.empty(rows * group, parts, device=device, dtype=torch.float32)
+        counts = torch.empty(rows, parts, device=device, dtype=torch.int32)
+        slots = iter((counts, parts, n_sub))
+        args = (*head, part_max, torch.empty_like(part_max), *(next(slots) if a is None else a for a in tail))
+        kw = dict(options, P_PAD=max(16, triton.next_power_of_2(parts)), STAGES=_FUSED_STAGES,
+                  HIST_SLICE=max(16, triton.next_power_of_2(triton.cdiv(HIST_BINS, parts))), num_warps=_FUSED_WARPS)
+        if parts == 1 or INTERPRET or _FUSED_SPLIT or per_sm == 1 or _holds(device, args, kw, rows) >= per_sm:
+            break
+        per_sm -= 1
+    # One launch; phase by phase where a row's programs cannot meet (the interpreter runs them in turn).
+    split = _FUSED_SPLIT or (INTERPRET and parts > 1)
+    for first, last in ((1, 1), (2, 2), (3, 3), (4, 4))[:_FUSED_LAST] if split else ((1, _FUSED_LAST),):
+        _fused_select_kernel[(rows, parts)](*args, **kw, FIRST=first, LAST=last)
+
+
+def _holds(device: torch.device, args: tuple, kw: dict, rows: int) -> int:
+    """Programs of the one-launch fused kernel an SM holds at once (registers, shared memory, threads)."""
+    key = (device, tuple(sorted(kw.items())), tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args))
+    if key not in _RESIDENT:
+        kernel = _fused_select_kernel.warmup(*args, grid=(rows, 1), **kw, FIRST=1, LAST=4)
+        kernel._init_handles()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        threads = kw["num_warps"] * 32
+        by_regs = props["max_num_regs"] // max(1, kernel.n_regs * threads)
+        by_smem = props["max_shared_mem"] // kernel.metadata.shared if kernel.metadata.shared else 32
+        _RESIDENT[key] = min(by_regs, by_smem, 2048 // threads)
+    return _RESIDENT[key]
 
 
 def resident_layout(n_blocks: int) -> tuple[int, int, int]:
@@ -138,26 +187,14 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                           TILE=tile, CENTROID=rule.centroid, FOLDED=fold, QUANT=quant, IEEE=ieee)
     w_pad = max(16, triton.next_power_of_2(width))
     if softmax and hist and sync is not None and NB < 65536:
-        parts = _FUSED_PARTS or max(1, sm_count(q.device) * _FUSED_PROGRAMS_PER_SM // (B * Hkv))
-        n_sub = triton.cdiv(n_tiles, min(parts, n_tiles))
-        parts = triton.cdiv(n_tiles, n_sub)
-        # Scratch: each head's scaled bounds, per part each head's max and sum of exp2, and its packed counts.
+        # Scratch: each head's scaled bounds (the parts' figures are allocated by _launch_fused).
         bounds = torch.empty(B, Hkv, group, NB, device=q.device, dtype=torch.float32)
-        part_max = torch.empty(B, Hkv, group, parts, device=q.device, dtype=torch.float32)
-        part_sum = torch.empty_like(part_max)
-        counts = torch.empty(B, Hkv, parts, device=q.device, dtype=torch.int32)
-        # One launch; phase by phase where a row's programs cannot meet (the interpreter runs them in turn).
-        split = _FUSED_SPLIT or (INTERPRET and parts > 1)
-        phases = ((1, 1), (2, 2), (3, 3), (4, 4)) if split else ((1, 4),)
+        head = (*bounds_args, bounds)
+        tail = (scores, histogram, None, sync, out, Hkv, NB, None, None, width, num, den, rule.min_blocks,
+                rule.local_blocks, rule.sink_blocks, scale * _LOG2E, *bounds_tail)
         with launch_context(q.device):
-            for first, last in phases:
-                _fused_select_kernel[(B * Hkv, parts)](
-                    *bounds_args, bounds, part_max, part_sum, scores, histogram, counts, sync, out, Hkv, NB, parts,
-                    n_sub, width, num, den, rule.min_blocks, rule.local_blocks, rule.sink_blocks, scale * _LOG2E,
-                    *bounds_tail, **bounds_options, P_PAD=max(16, triton.next_power_of_2(parts)),
-                    HIST_SLICE=max(16, triton.next_power_of_2(triton.cdiv(HIST_BINS, parts))), W_PAD=w_pad,
-                    SHIFT=shift, BASE=base, FIRST=first, LAST=last, PDL=pdl, launch_pdl=pdl, num_warps=_FUSED_WARPS,
-                )
+            _launch_fused(head, tail, dict(bounds_options, W_PAD=w_pad, SHIFT=shift, BASE=base, PDL=pdl,
+                                           launch_pdl=pdl), B * Hkv, n_tiles, group)
         return out
     # The chunked top-k takes the histogram as this call's counts: the bounds kernel clears it first.
     chunked = softmax and hist and _BINNED_MIN_BLOCKS <= NB <= _RESIDENT_MAX

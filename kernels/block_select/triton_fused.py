@@ -12,11 +12,13 @@ programs meet between them at a barrier in global memory (`row_barrier`):
 3. the k-th score's bin from the histogram (_kth_bin), and the part's blocks above it and tied with it;
 4. the part's kept blocks written at their places (the counts of the parts before it), -1 past k.
 
-A barrier only works if every program of the row is resident at once: the launcher never starts more programs
-than the device has SMs, and a program waits a bounded number of polls before it gives up and records that in
-the row's sync words (`barrier_timeouts`). The sync words are scratch the caller keeps zeroed between calls
-(`new_sync`); each barrier leaves its count at zero. Triton's interpreter runs programs one after another, so
-there (and wherever `FIRST`/`LAST` split the phases) the phases run as separate launches of the same kernel.
+A barrier only works if every program of the row is resident at once: the launcher starts no more programs than
+the device holds at once (from the compiled kernel's registers and shared memory), and a program waits a bounded
+number of polls before it gives up and records that in the row's sync words (`barrier_timeouts`; with 4
+programs an SM asked for where 3 fit, every call gave up). The sync words are scratch the caller keeps zeroed
+between calls (`new_sync`); each barrier leaves its count at zero. Triton's interpreter runs programs one after
+another, so there (and wherever `FIRST`/`LAST` split the phases) the phases run as separate launches of the same
+kernel.
 """
 
 from __future__ import annotations
@@ -31,30 +33,30 @@ from kernels.block_select.triton_scores import clear_histogram_slice, pool_score
 from kernels.block_select.triton_topk import (_above_and_ties, _bin_of, _head_and_k, _int_key, _store_taken,
                                               count_score_bins)
 
-# A row's sync words (reference.SYNC_WORDS): arrivals, generation, barriers given up, unused.
+# A row's sync words (reference.SYNC_WORDS): arrivals and generation, unused, barriers given up, unused.
 _SYNC_WORDS = tl.constexpr(SYNC_WORDS)
 _MAX_POLLS = tl.constexpr(1 << 22)  # about a second of polling: far past any phase's time, short of a hang
 
 
 @triton.jit
 def row_barrier(Sync, row, n_programs):
-    """Wait until the n_programs programs of `row` have all arrived. A sense-reversing barrier: the last to
-    arrive resets the count and advances the generation the others poll. Every thread's writes before it are
+    """Wait until the n_programs programs of `row` have all arrived. A sense-reversing barrier in one word: the
+    arrivals in its low 16 bits, the generation above them. The last to arrive takes the count back to zero and
+    advances the generation in one atomic; the others poll the generation. Every thread's writes before it are
     visible to every program of the row after it (bar.sync, then release / acquire by one thread)."""
     tl.debug_barrier()
-    count = Sync + row * _SYNC_WORDS
-    generation = tl.atomic_add(count + 1, 0, sem="acquire")
-    if tl.atomic_add(count, 1, sem="acq_rel") == n_programs - 1:
-        tl.atomic_xchg(count, 0, sem="relaxed")
-        tl.atomic_add(count + 1, 1, sem="release")
+    word = Sync + row * _SYNC_WORDS
+    old = tl.atomic_add(word, 1, sem="acq_rel")
+    if (old & 0xFFFF) == n_programs - 1:
+        tl.atomic_add(word, 65536 - n_programs, sem="release")
     else:
         polls = 0
         waiting = True
         while waiting:
             polls += 1
-            waiting = (tl.atomic_add(count + 1, 0, sem="acquire") == generation) & (polls < _MAX_POLLS)
+            waiting = ((tl.atomic_add(word, 0, sem="acquire") >> 16) == (old >> 16)) & (polls < _MAX_POLLS)
         if polls >= _MAX_POLLS:
-            tl.atomic_add(count + 2, 1, sem="relaxed")
+            tl.atomic_add(word + 2, 1, sem="relaxed")
     tl.debug_barrier()
 
 
@@ -74,7 +76,7 @@ def _fused_select_kernel(
     GROUP: tl.constexpr, G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
     CENTROID: tl.constexpr, FOLDED: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, P_PAD: tl.constexpr,
     HIST_SLICE: tl.constexpr, W_PAD: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr, FIRST: tl.constexpr,
-    LAST: tl.constexpr, PDL: tl.constexpr,
+    LAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """Out [B * Hkv, width] int32 from q [B, Hq, D] and the descriptors; program (row, part) covers the n_sub tiles
     of TILE blocks from part * n_sub. Phases FIRST..LAST run in this launch (1..4: all of them)."""
@@ -91,7 +93,7 @@ def _fused_select_kernel(
         clear_histogram_slice(Hist, pid_bh, part, HIST_SLICE)
         m_run = tl.full([G_DOT], float("-inf"), tl.float32)
         z_run = tl.zeros([G_DOT], tl.float32)
-        for t in range(n_sub):
+        for t in tl.range(0, n_sub, num_stages=STAGES):
             offs = first_block + t * TILE + tl.arange(0, TILE)
             s = tile_bounds(Q, Kmax, Kmin, Kmean, Scale, b, h, offs, n_blocks, local_blocks, sink_blocks,
                             scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb, stride_sh,
