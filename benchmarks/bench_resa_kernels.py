@@ -145,15 +145,14 @@ def sweep_sparse(shape: str = "llama-3.1-8b", length: int = 131072) -> list[dict
 
 def sweep_select(lengths: list[int], rule: KeepRule, shape: str = "llama-3.1-8b", int8: bool = False) -> list[dict]:
     """Block selection with the histogram, as the engine calls it (one layer, median ms): the scoring tile and
-    warps, then the binned top-k's chunk and warps (softmax pooling) or the one-program top-k's warps (mean
-    pooling; 0 = the launcher's rule); softmax pooling also as one launch (with the sync words: the tile, warps
-    and programs an SM). int8: int8 descriptors with their scale, as resa.yaml keeps them."""
+    warps, then the one-program top-k's warps (mean pooling; 0 = the launcher's rule), or softmax pooling as one
+    launch (with the sync words: the tile, warps, programs an SM and the bounds loop's pipelining). int8: int8 descriptors with their scale, as resa.yaml keeps them."""
     import kernels.block_select.triton as sel
 
     Hq, Hkv, D = SHAPES[shape]
     opts = dict(device="cuda", dtype=torch.bfloat16)
-    names = ("_DOT_ELEMENTS", "_SCORE_WARPS", "_TOPK_WARPS", "_BINNED_CHUNK", "_BINNED_WARPS", "_FUSED_WARPS",
-             "_FUSED_PROGRAMS_PER_SM")
+    names = ("_DOT_ELEMENTS", "_SCORE_WARPS", "_TOPK_WARPS", "_FUSED_WARPS", "_FUSED_PROGRAMS_PER_SM",
+             "_FUSED_STAGES")
     saved = {name: getattr(sel, name) for name in names}
     rows = []
     for length in lengths:
@@ -170,9 +169,8 @@ def sweep_select(lengths: list[int], rule: KeepRule, shape: str = "llama-3.1-8b"
         expected = sel.select_blocks_triton(q, kmax, kmin, n, **args)
         configs = [{"_DOT_ELEMENTS": t * D, "_SCORE_WARPS": w} for t in (32, 64, 128) for w in (2, 4, 8)]
         if rule.pooling == "softmax":
-            configs += [{"_BINNED_CHUNK": c, "_BINNED_WARPS": w} for c in (256, 512, 1024, 2048) for w in (2, 4, 8)]
-            configs += [{"sync": True, "_DOT_ELEMENTS": t * D, "_FUSED_WARPS": w, "_FUSED_PROGRAMS_PER_SM": p}
-                        for t in (32, 64, 128) for w in (4, 8) for p in (1, 2)]
+            configs += [{"sync": True, "_DOT_ELEMENTS": t * D, "_FUSED_WARPS": w, "_FUSED_PROGRAMS_PER_SM": p,
+                         "_FUSED_STAGES": st} for t in (32, 64, 128) for w in (4, 8) for p in (1, 2) for st in (1, 3)]
         else:
             configs += [{"_TOPK_WARPS": w} for w in (4, 8, 16, 32)]
         for config in configs:

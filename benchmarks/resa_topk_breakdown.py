@@ -81,11 +81,10 @@ def measure(q, kmax, kmin, dscale, n, scale, stages=True) -> dict:
     num, den = RULE.ratio
 
     def b_():
-        # HIST_SLICE=0: the histogram is left as the stages below set it (the shipped call clears it here).
-        sel._head_bounds_kernel[(Hkv, n_tiles)](q, kmax, kmin, kmax, dscale, n, bounds, tmax, tsum, hist, Hkv, NB,
+        sel._head_bounds_kernel[(Hkv, n_tiles)](q, kmax, kmin, kmax, dscale, n, bounds, tmax, tsum, Hkv, NB,
             n_tiles, 1, 1, scale * sel._LOG2E, q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1),
             kmax.stride(2), dscale.stride(0), dscale.stride(1), GROUP=group, G_DOT=16, HEAD_DIM=D, BLOCK=16,
-            TILE=tile, CENTROID=True, FOLDED=True, QUANT=True, IEEE=False, HIST_SLICE=0, PDL=False, num_warps=4)
+            TILE=tile, CENTROID=True, FOLDED=True, QUANT=True, IEEE=False, PDL=False, num_warps=4)
 
     hist = new_histogram(1, Hkv, "cuda")
     shift, base = score_bins(RULE.pooling, group)
@@ -115,7 +114,7 @@ def measure(q, kmax, kmin, dscale, n, scale, stages=True) -> dict:
     ms = {}
     with torch.cuda.stream(torch.cuda.Stream()):
         ms["select_full_hist"] = _bench(lambda: sel.select_blocks_triton(q, kmax, kmin, n, **hist_args))
-        hist.zero_()  # the chunked top-k (long rows) leaves its counts; the variant's stages start from zeros
+        hist.zero_()  # the variant's stages start from zeros
         ms["select_full"] = _bench(full)
         ms["bounds"] = _bench(b_)
         ms["pool"] = _bench(p_)

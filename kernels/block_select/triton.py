@@ -7,9 +7,7 @@ softmax pooling with the histogram and the sync words is one launch (triton_fuse
    the tile's per-head max and sum of exponentials, and `_softmax_pool_kernel` (same grid) reduces those over
    the tiles and sums the heads' probabilities.
 2. The top-k: exact for mean pooling, by the scores' bins for softmax pooling (reference.KeepRule). One program
-   per (batch, kv head) in triton_topk.py, in registers up to _RESIDENT_MAX blocks, in passes over L2 past it;
-   with softmax pooling and the histogram, rows from _BINNED_MIN_BLOCKS blocks take one program per chunk of
-   their blocks instead (triton_binned.py).
+   per (batch, kv head) in triton_topk.py, in registers up to _RESIDENT_MAX blocks, in passes over L2 past it.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import triton
 from kernels._gdc import use_pdl
 from kernels._triton_common import INTERPRET, check_device, launch_context, sm_count
 from kernels.block_select.reference import SYNC_WORDS, KeepRule, score_bins
-from kernels.block_select.triton_binned import _binned_topk_kernel
 from kernels.block_select.triton_fused import _fused_select_kernel
 from kernels.block_select.triton_scores import _block_scores_kernel, _head_bounds_kernel, _softmax_pool_kernel
 from kernels.block_select.triton_topk import HIST_BINS, _block_topk_kernel, _block_topk_resident_kernel
@@ -35,15 +32,6 @@ _SELECT_TILE = 2048  # scores per pass step of the selection program (long conte
 # Up to this many blocks (512K tokens of 16) one program holds a head's scores in registers for the search.
 # 16,384 was too tight: a 256K-token document plus its answer room (16,389 blocks) fell to the multipass kernel.
 _RESIDENT_MAX = 32768
-# Softmax pooling's top-k with the histogram, from this many blocks a row (256K tokens of 16): one program a chunk
-# of _BINNED_CHUNK blocks (triton_binned.py). One program a row scans the whole row, a time that grows with it: in
-# the decode step on an H200 (Qwen3-1.7B shape) chunks of 1,024 blocks at 4 warps gave 4.48 against 4.69-4.71 ms a
-# token at 256K, but at 128K (8,192 blocks) 3.83 against 3.67-3.73, their top-k 18.9 against 16.1 us a layer.
-# 2,048 blocks at 8 warps: the whole selection alone (H200 sweep, bench_resa_kernels.py --sweep-select) 31.6 us at
-# 256K against 33.8 for 1,024 at 4 and 35.7 for one program a row; 19.5 against 21.4 and 21.2 at 128K.
-_BINNED_MIN_BLOCKS = 16384
-_BINNED_CHUNK = 2048
-_BINNED_WARPS = 8
 # The fused selection (softmax pooling with the histogram and the sync words): a row in parts, one program each,
 # at most as many programs as the device holds at once, so that a row's programs can meet at its barriers. An H200
 # sweep (Qwen3-1.7B shape, int8, 128K / 256K): 2 programs an SM, 4 warps, the bounds' loop pipelined 3 deep
@@ -85,6 +73,8 @@ def _launch_fused(head: tuple, tail: tuple, options: dict, rows: int, n_tiles: i
     split = _FUSED_SPLIT or (INTERPRET and parts > 1)
     for first, last in ((1, 1), (2, 2), (3, 3), (4, 4))[:_FUSED_LAST] if split else ((1, _FUSED_LAST),):
         _fused_select_kernel[(rows, parts)](*args, **kw, FIRST=first, LAST=last)
+    if split:
+        tail[1].zero_()  # the histogram, as the one launch leaves it
 
 
 def _holds(device: torch.device, args: tuple, kw: dict, rows: int) -> int:
@@ -119,7 +109,7 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     """Same contract as reference.select_blocks; CUDA-graph capturable. histogram: int32 [B, Hkv, HIST_BINS]
     scratch kept by the caller across calls. The scoring kernels count the scores' bins into it and the top-k
     takes the k-th score's bin from it: one program a row zeroes it again and does not use one that does not count
-    the row's blocks; for the chunked top-k the bounds kernel clears it first, and it keeps this call's counts.
+    the row's blocks; the fused launch clears it first and zeroes it again.
     Without it the top-k searches from the scores' range. sync: int32 [B, Hkv, SYNC_WORDS], zeroed once and kept
     by the caller: with it and the histogram, softmax pooling's selection runs as one launch (triton_fused.py)."""
     if q.dim() != 3:
@@ -196,8 +186,6 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
             _launch_fused(head, tail, dict(bounds_options, W_PAD=w_pad, SHIFT=shift, BASE=base, PDL=pdl,
                                            launch_pdl=pdl), B * Hkv, n_tiles, group)
         return out
-    # The chunked top-k takes the histogram as this call's counts: the bounds kernel clears it first.
-    chunked = softmax and hist and _BINNED_MIN_BLOCKS <= NB <= _RESIDENT_MAX
     with launch_context(q.device):
         if softmax:
             # Scratch: each head's scaled bounds, and per tile each head's max and sum of exp2.
@@ -205,9 +193,8 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
             tile_max = torch.empty(B, Hkv, group, n_tiles, device=q.device, dtype=torch.float32)
             tile_sum = torch.empty_like(tile_max)
             _head_bounds_kernel[(B * Hkv, n_tiles)](
-                *bounds_args, bounds, tile_max, tile_sum, hist_arg, Hkv, NB, n_tiles, rule.local_blocks,
+                *bounds_args, bounds, tile_max, tile_sum, Hkv, NB, n_tiles, rule.local_blocks,
                 rule.sink_blocks, scale * _LOG2E, *bounds_tail, **bounds_options,
-                HIST_SLICE=max(16, triton.next_power_of_2(triton.cdiv(HIST_BINS, n_tiles))) if chunked else 0,
                 PDL=pdl, launch_pdl=pdl, num_warps=_SCORE_WARPS,
             )
             _softmax_pool_kernel[(B * Hkv, n_tiles)](
@@ -224,14 +211,7 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                 BLOCK=block_size, TILE=_SCORE_TILE, CENTROID=rule.centroid, FOLDED=fold, QUANT=quant,
                 HIST=hist, SHIFT=shift, BASE=base, PDL=pdl, launch_pdl=pdl, num_warps=4,
             )
-        if chunked:
-            main, rest, _ = resident_layout(NB)
-            _binned_topk_kernel[(B * Hkv, triton.cdiv(NB, _BINNED_CHUNK))](
-                scores, length, out, histogram, NB, width, num, den, rule.min_blocks, Hkv, BLOCK=block_size,
-                NB_MAIN=main, NB_REST=rest, CHUNK=_BINNED_CHUNK, W_PAD=w_pad,
-                SHIFT=shift, BASE=base, PDL=pdl, launch_pdl=pdl, num_warps=_BINNED_WARPS,
-            )
-        elif NB <= _RESIDENT_MAX:
+        if NB <= _RESIDENT_MAX:
             main, rest, warps = resident_layout(NB)
             _block_topk_resident_kernel[(B * Hkv,)](
                 scores, length, out, hist_arg, NB, width, num, den, rule.min_blocks, Hkv,

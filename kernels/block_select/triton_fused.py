@@ -10,7 +10,8 @@ programs meet between them at a barrier in global memory (`row_barrier`):
    cleared;
 2. the part's pooled scores (pool_scores, over every part's max and sum), counted into the histogram;
 3. the k-th score's bin from the histogram (_kth_bin), and the part's blocks above it and tied with it;
-4. the part's kept blocks written at their places (the counts of the parts before it), -1 past k.
+4. the part's kept blocks written at their places (the counts of the parts before it), -1 past k, and its slice
+   of the histogram zeroed again (a call leaves the histogram as the separate launches do: zeroed).
 
 A barrier only works if every program of the row is resident at once: the launcher starts no more programs than
 the device holds at once (from the compiled kernel's registers and shared memory), and a program waits a bounded
@@ -27,12 +28,15 @@ import triton
 import triton.language as tl
 
 from kernels._gdc import grid_dependency_wait
-from kernels.block_select.reference import SYNC_WORDS
-from kernels.block_select.triton_binned import _kth_bin
-from kernels.block_select.triton_scores import clear_histogram_slice, pool_scores, tile_bounds
+from kernels.block_select.reference import HIST_BINS, SYNC_WORDS
+from kernels.block_select.triton_scores import pool_scores, tile_bounds
 from kernels.block_select.triton_topk import (_above_and_ties, _bin_of, _head_and_k, _int_key, _store_taken,
                                               count_score_bins)
 
+_HIST_BINS = tl.constexpr(HIST_BINS)
+if HIST_BINS != 64 * 64:
+    raise ImportError(f"the fused selection reads the histogram as 64 rows of 64 bins, the selection counts "
+                      f"{HIST_BINS}")
 # A row's sync words (reference.SYNC_WORDS): arrivals and generation, unused, barriers given up, unused.
 _SYNC_WORDS = tl.constexpr(SYNC_WORDS)
 _MAX_POLLS = tl.constexpr(1 << 22)  # about a second of polling: far past any phase's time, short of a hang
@@ -58,6 +62,28 @@ def row_barrier(Sync, row, n_programs):
         if polls >= _MAX_POLLS:
             tl.atomic_add(word + 2, 1, sem="relaxed")
     tl.debug_barrier()
+
+
+@triton.jit
+def _kth_bin(Hist, pid_bh, k):
+    """(bin, above) of row pid_bh of Hist [B * Hkv, 64 * 64]: the bin of the k-th largest score, and the count of
+    scores in higher bins. Rows of 64 bins first, then the bins of the row that holds the k-th score."""
+    offs = tl.arange(0, 64)
+    # From L2: other programs of the same launch may have counted into it.
+    h = tl.load(Hist + pid_bh * 4096 + offs[:, None] * 64 + offs[None, :], cache_modifier=".cg")  # [row, bin]
+    per_row = tl.sum(h, 1)
+    row = tl.max(tl.where(tl.cumsum(per_row, 0, reverse=True) >= k, offs, 0), 0)
+    above_rows = tl.sum(tl.where(offs > row, per_row, 0), 0)
+    bins = tl.sum(tl.where(offs[:, None] == row, h, 0), 0)
+    col = tl.max(tl.where(tl.cumsum(bins, 0, reverse=True) + above_rows >= k, offs, 0), 0)
+    return row * 64 + col, above_rows + tl.sum(tl.where(offs > col, bins, 0), 0)
+
+
+@triton.jit
+def clear_histogram_slice(Hist, pid_bh, part, SLICE: tl.constexpr):
+    """Zero bins [part * SLICE, (part + 1) * SLICE) of row pid_bh of Hist [B * Hkv, HIST_BINS]."""
+    offs_h = part * SLICE + tl.arange(0, SLICE)
+    tl.store(Hist + pid_bh.to(tl.int64) * _HIST_BINS + offs_h, tl.zeros([SLICE], tl.int32), mask=offs_h < _HIST_BINS)
 
 
 @triton.jit
@@ -130,6 +156,9 @@ def _fused_select_kernel(
     if LAST >= 4:
         if FIRST == 4:
             thr, above = _kth_bin(Hist, pid_bh, k)
+        else:
+            # Every program of the row has read the histogram (phase 3): zeroed again for whoever calls next.
+            clear_histogram_slice(Hist, pid_bh, part, HIST_SLICE)
         offs_p = tl.arange(0, P_PAD)
         counts = tl.load(Counts + pid_bh * n_programs + offs_p, mask=offs_p < part, other=0, cache_modifier=".cg")
         before = tl.sum(counts.to(tl.uint32, bitcast=True), 0)

@@ -109,20 +109,16 @@ def tile_bounds(Q, Kmax, Kmin, Kmean, Scale, b, h, offs, n_blocks, local_blocks,
 
 @triton.jit
 def _head_bounds_kernel(
-    Q, Kmax, Kmin, Kmean, Scale, Length, Bounds, TileMax, TileSum, Hist, n_kv_heads, n_blocks_cap, n_tiles,
-    local_blocks, sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb,
-    stride_sh, GROUP: tl.constexpr, G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-    TILE: tl.constexpr, CENTROID: tl.constexpr, FOLDED: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
-    HIST_SLICE: tl.constexpr, PDL: tl.constexpr,
+    Q, Kmax, Kmin, Kmean, Scale, Length, Bounds, TileMax, TileSum, n_kv_heads, n_blocks_cap, n_tiles, local_blocks,
+    sink_blocks, scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb, stride_sh,
+    GROUP: tl.constexpr, G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+    CENTROID: tl.constexpr, FOLDED: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Softmax pooling's first half, one (batch, kv head, tile of blocks) per program: every head's scaled
-    bounds (tile_bounds), and the tile's per-head max and sum of exp2. HIST_SLICE > 0: the tiles clear the row's
-    histogram, HIST_SLICE bins each, for the pool kernel to count this call's scores."""
+    bounds (tile_bounds), and the tile's per-head max and sum of exp2."""
     grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0)
     tile = tl.program_id(1)
-    if HIST_SLICE > 0:
-        clear_histogram_slice(Hist, pid_bh, tile, HIST_SLICE)
     b = (pid_bh // n_kv_heads).to(tl.int64)
     h = (pid_bh % n_kv_heads).to(tl.int64)
     n_blocks = tl.cdiv(tl.load(Length + b).to(tl.int64), BLOCK)
@@ -139,13 +135,6 @@ def _head_bounds_kernel(
              mask=heads[:, None] & (offs[None, :] < n_blocks_cap))
     tl.store(TileMax + rows * n_tiles + tile, m, mask=heads)
     tl.store(TileSum + rows * n_tiles + tile, tl.sum(tl.exp2(s - m_safe[:, None]), 1), mask=heads)
-
-
-@triton.jit
-def clear_histogram_slice(Hist, pid_bh, part, SLICE: tl.constexpr):
-    """Zero bins [part * SLICE, (part + 1) * SLICE) of row pid_bh of Hist [B * Hkv, HIST_BINS]."""
-    offs_h = part * SLICE + tl.arange(0, SLICE)
-    tl.store(Hist + pid_bh.to(tl.int64) * _HIST_BINS + offs_h, tl.zeros([SLICE], tl.int32), mask=offs_h < _HIST_BINS)
 
 
 @triton.jit
