@@ -162,9 +162,8 @@ class ResaEngine(Engine):
                                rule=longctx.rule, width=longctx.width, scale=scaling, folded=longctx.rule.centroid,
                                histogram=layer.score_bins, descriptor_scale=layer.kscale, sync=layer.select_sync)
         start = _clock(longctx, "estimation_s", start)
-        # The sparse kernel's split count lives in the selection's sync words (word 1): one launch, merged in it.
         out = sparse_decode_attention(query[:, :, 0], key, value, blocks, length, block_size=longctx.block_size,
-                                      scale=scaling, counters=layer.select_sync[..., 1])
+                                      scale=scaling)
         _clock(longctx, "sparse_attention_s", start)
         return out.unsqueeze(1), None
 

@@ -742,32 +742,6 @@ def test_sparse_triton_matches_reference(D, group, L, dtype):
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("case", [pytest.param((64, 1, 17), id="D64-G1-L17"),
-                                  pytest.param((128, 4, 4097), id="D128-G4-L4097"),
-                                  pytest.param((64, 8, 32768), id="D64-G8-L32768")])
-@pytest.mark.triton
-def test_sparse_triton_merges_its_splits_in_one_launch(case):
-    """With the caller's counters the last split of each head merges the splits: what the separate merge launch
-    gives (to the last bits of a different summation order), call after call, the counters left at zero."""
-    from kernels.sparse_decode_attention.triton import sparse_decode_attention_triton
-
-    D, group, L = case
-    q, keys, values, kmax, kmin, length = _problem(2, group, L, D, torch.float16 if DEVICE == "cpu" else torch.bfloat16)
-    rule = KeepRule(0.1, 16, 1)
-    blocks = select_ref(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, rule=rule,
-                        width=rule.keep(kmax.shape[2]) + 3).to(DEVICE)
-    args = dict(block_size=BS, scale=D**-0.5, return_lse=True)
-    plain, plain_lse = sparse_decode_attention_triton(q, keys, values, blocks, length, **args)
-    counters = new_sync(2, 2, DEVICE)[..., 1]  # as resa passes them: a word of the selection's sync scratch
-    for _ in range(2):
-        out, lse = sparse_decode_attention_triton(q, keys, values, blocks, length, counters=counters, **args)
-        torch.testing.assert_close(out.float(), plain.float(), atol=1e-3, rtol=1e-2)
-        torch.testing.assert_close(lse, plain_lse, atol=1e-5, rtol=1e-5)
-        assert not counters.any()
-    with pytest.raises(ValueError, match="counters of shape"):
-        sparse_decode_attention_triton(q, keys, values, blocks, length, counters=counters[:1], **args)
-
-
 @pytest.mark.parametrize("window", [None, 512], ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("T", [2, 32], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")

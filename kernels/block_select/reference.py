@@ -14,8 +14,7 @@ POOLINGS = ("mean", "softmax")
 # Scores fall in HIST_BINS bins of their int32 order keys (score_bins); the Triton top-k counts them to start its
 # search in the k-th score's bin, and softmax pooling selects by bins (select_blocks).
 HIST_BINS = 4096
-# Words per (batch, kv head) of the scratch where the Triton selection's programs of one row meet (triton_fused.py);
-# word 1 is left to the caller (resa counts its sparse attention's splits there).
+# Words per (batch, kv head) of the scratch where the Triton selection's programs of one row meet (triton_fused.py).
 SYNC_WORDS = 4
 
 

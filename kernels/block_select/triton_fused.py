@@ -37,8 +37,7 @@ _HIST_BINS = tl.constexpr(HIST_BINS)
 if HIST_BINS != 64 * 64:
     raise ImportError(f"the fused selection reads the histogram as 64 rows of 64 bins, the selection counts "
                       f"{HIST_BINS}")
-# A row's sync words (reference.SYNC_WORDS): arrivals and generation; a word the selection leaves alone (resa's
-# sparse attention counts its splits there); barriers given up; unused.
+# A row's sync words (reference.SYNC_WORDS): arrivals and generation, unused, barriers given up, unused.
 _SYNC_WORDS = tl.constexpr(SYNC_WORDS)
 _MAX_POLLS = tl.constexpr(1 << 22)  # about a second of polling: far past any phase's time, short of a hang
 

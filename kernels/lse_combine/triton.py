@@ -13,33 +13,6 @@ from kernels._triton_common import check_device, launch, launch_context
 _SPLITS_PAD = 256
 
 
-@triton.jit
-def combine_row(Out_part, Lse_part, row, num_splits, offs_d, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                BLOCK_S: tl.constexpr):
-    """(out over offs_d, lse) of one row from its num_splits partials (read from L2: they may come from other
-    programs of the same launch)."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(Lse_part + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"),
-                  cache_modifier=".cg")
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse - m), 0)
-    acc = tl.zeros(offs_d.shape, dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        offs = s0 + tl.arange(0, BLOCK_S)
-        mask = offs < num_splits
-        # exp(-inf - m) = 0: empty splits (out 0, lse -inf) weigh nothing.
-        w = tl.exp(tl.load(Lse_part + row * num_splits + offs, mask=mask, other=float("-inf"),
-                           cache_modifier=".cg") - m)
-        o = tl.load(Out_part + (row * num_splits + offs)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=mask[:, None], other=0.0, cache_modifier=".cg")
-        # where(), not a product: an empty split's row may hold anything and 0 * NaN is NaN.
-        acc += tl.sum(tl.where(w[:, None] > 0, w[:, None] * o, 0.0), 0)
-    has = total > 0
-    out = tl.where(has, acc / tl.where(has, total, 1.0), 0.0)
-    return out, tl.where(has, m + tl.log(tl.where(has, total, 1.0)), float("-inf"))
-
-
 @triton.jit(do_not_specialize=["num_splits"])
 def _lse_combine_kernel(
     Out_part, Lse_part, Out, Lse, num_splits,
@@ -49,10 +22,26 @@ def _lse_combine_kernel(
     grid_dependency_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    out, lse = combine_row(Out_part, Lse_part, row, num_splits, offs_d, HEAD_DIM, SPLITS_PAD, BLOCK_S)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(Lse_part + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse - m), 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs = s0 + tl.arange(0, BLOCK_S)
+        mask = offs < num_splits
+        # exp(-inf - m) = 0: empty splits (out 0, lse -inf) weigh nothing.
+        w = tl.exp(tl.load(Lse_part + row * num_splits + offs, mask=mask, other=float("-inf")) - m)
+        o = tl.load(Out_part + (row * num_splits + offs)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask[:, None], other=0.0)
+        # where(), not a product: an empty split's row may hold anything and 0 * NaN is NaN.
+        acc += tl.sum(tl.where(w[:, None] > 0, w[:, None] * o, 0.0), 0)
+    has = total > 0
+    out = tl.where(has, acc / tl.where(has, total, 1.0), 0.0)
     tl.store(Out + row * HEAD_DIM + offs_d, out.to(Out.dtype.element_ty))
     if tl.program_id(1) == 0:
-        tl.store(Lse + row, lse)
+        tl.store(Lse + row, tl.where(has, m + tl.log(tl.where(has, total, 1.0)), float("-inf")))
 
 
 def combine_splits_triton(out_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype

@@ -27,20 +27,14 @@ def _triton_impl():
 
 def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                             length: torch.Tensor, *, block_size: int, scale: float,
-                            return_lse: bool = False, counters: torch.Tensor | None = None
-                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                            return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, D]; k_cache, v_cache: [B, Hkv, S, D]; blocks: [B, Hkv, W] int32 (-1 = none); length: [B].
-    counters: int32 [B, Hkv] scratch the caller keeps (zeroed once; each call leaves it at zero): with it the
-    Triton kernel merges its splits in the same launch. It changes no result; the reference ignores it.
 
     Attention over the keys of the listed blocks that lie before `length`. Returns out [B, Hq, D] in q's
     dtype (and lse [B, Hq] fp32 with return_lse; -inf and out 0 if no key is selected).
     """
-    args = dict(block_size=block_size, scale=scale, return_lse=return_lse)
-    impl = _triton_impl() if q.is_cuda else None
-    if impl is None:
-        return sparse_decode_attention_reference(q, k_cache, v_cache, blocks, length, **args)
-    return impl(q, k_cache, v_cache, blocks, length, counters=counters, **args)
+    impl = (_triton_impl() if q.is_cuda else None) or sparse_decode_attention_reference
+    return impl(q, k_cache, v_cache, blocks, length, block_size=block_size, scale=scale, return_lse=return_lse)
 
 
 def sparse_decode_backend(device: torch.device) -> str:

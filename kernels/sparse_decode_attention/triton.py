@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kernels._gdc import grid_dependency_wait, use_pdl
 from kernels._triton_common import check_device, launch_context, sm_count
-from kernels.lse_combine.triton import combine_row, combine_splits_triton
+from kernels.lse_combine.triton import combine_splits_triton
 
 _LOG2E = 1.4426950408889634
 # H200 sweeps (benchmarks/bench_resa_kernels.py --sweep-sparse, 1,024 kept blocks a head at 128K): 4 programs an
@@ -25,15 +25,12 @@ _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 2
 
 @triton.jit
 def _sparse_decode_fwd_kernel(
-    Q, K, V, Blocks, Length, Out_part, Lse_part, Out, Lse, Counters,
+    Q, K, V, Blocks, Length, Out_part, Lse_part,
     qk_scale, n_kv_heads, n_q_heads, num_splits, width, slots_per_split,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_cb, stride_ch,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Partials of program (b * Hkv + h, split) into Out_part / Lse_part; MERGE: the last split of (b, h) to
-    finish (a count in Counters, left at 0) merges the group's rows into Out / Lse, instead of a second launch."""
     grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -86,19 +83,6 @@ def _sparse_decode_fwd_kernel(
     row_mask = offs_g < GROUP
     tl.store(Out_part + rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_mask[:, None])
     tl.store(Lse_part + rows, lse, mask=row_mask)
-    if MERGE:
-        # Every thread's partials stored before the count (bar.sync, then release by one thread); the last split
-        # reads them all from L2.
-        tl.debug_barrier()
-        counter = Counters + b * stride_cb + h * stride_ch
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            tl.atomic_xchg(counter, 0, sem="relaxed")
-            for g in tl.static_range(GROUP):
-                row = b * n_q_heads + h * GROUP + g
-                merged, merged_lse = combine_row(Out_part, Lse_part, row, num_splits, offs_d, HEAD_DIM, SPLITS_PAD,
-                                                 64)
-                tl.store(Out + row * HEAD_DIM + offs_d, merged.to(Out.dtype.element_ty))
-                tl.store(Lse + row, merged_lse)
 
 
 def split_plan(batch: int, n_kv_heads: int, width: int, block_size: int, device: torch.device) -> tuple[int, int]:
@@ -112,10 +96,8 @@ def split_plan(batch: int, n_kv_heads: int, width: int, block_size: int, device:
 
 def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    blocks: torch.Tensor, length: torch.Tensor, *, block_size: int, scale: float,
-                                   return_lse: bool = False, counters: torch.Tensor | None = None
-                                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as reference.sparse_decode_attention; CUDA-graph capturable. counters: int32 [B, Hkv] (any
-    strides) kept by the caller, zero between calls: with it the splits merge inside the one launch."""
+                                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as reference.sparse_decode_attention; CUDA-graph capturable."""
     if q.dim() != 3:
         raise ValueError(f"expected q of shape [B, Hq, D], got {tuple(q.shape)}")
     B, Hq, D = q.shape
@@ -134,35 +116,24 @@ def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     if D < 16 or D > 256 or D & (D - 1) or block_size & (block_size - 1) or block_size > _BLOCK_N:
         raise ValueError(f"expected head_dim a power of two in [16, 256] and block_size a power of two <= "
                          f"{_BLOCK_N}, got {D} and {block_size}")
-    if counters is not None and (counters.shape != (B, k_cache.shape[1]) or counters.dtype != torch.int32):
-        raise ValueError(f"expected counters of shape [{B}, {k_cache.shape[1]}] int32, got {tuple(counters.shape)} "
-                         f"{counters.dtype}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("blocks", blocks), ("length", length)):
         check_device(name, t, q.device)
-    if counters is not None and counters.device != q.device:
-        raise ValueError(f"expected counters on {q.device}, got {counters.device}")
     width = blocks.shape[2]
     num_splits, slots = split_plan(B, Hkv, width, block_size, q.device)
     group = Hq // Hkv
     out_part = torch.empty(B * Hq, num_splits, D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B * Hq, num_splits, device=q.device, dtype=torch.float32)
     pdl = use_pdl(q.device)
-    merge = counters is not None
-    out = torch.empty(B * Hq, D, device=q.device, dtype=q.dtype) if merge else None
-    lse = torch.empty(B * Hq, device=q.device, dtype=torch.float32) if merge else None
     with launch_context(q.device):
         _sparse_decode_fwd_kernel[(B * Hkv, num_splits)](
-            q, k_cache, v_cache, blocks, length, out_part, lse_part, out if merge else out_part,
-            lse if merge else lse_part, counters if merge else length,
+            q, k_cache, v_cache, blocks, length, out_part, lse_part,
             scale * _LOG2E, Hkv, Hq, num_splits, width, slots,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *(counters.stride() if merge else (0, 0)),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
-            BLOCK_N=_BLOCK_N, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge,
-            SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl, num_warps=_NUM_WARPS,
-            num_stages=_NUM_STAGES,
+            BLOCK_N=_BLOCK_N, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            PDL=pdl, launch_pdl=pdl, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
         )
-    if not merge:
-        out, lse = combine_splits_triton(out_part, lse_part, q.dtype)
+    out, lse = combine_splits_triton(out_part, lse_part, q.dtype)
     out, lse = out.view(B, Hq, D), lse.view(B, Hq)
     return (out, lse) if return_lse else out
