@@ -143,29 +143,35 @@ def sweep_sparse(shape: str = "llama-3.1-8b", length: int = 131072) -> list[dict
     return rows
 
 
+def _selection_inputs(shape: str, length: int, rule: KeepRule, int8: bool) -> tuple:
+    """(q, kmax, kmin, length tensor, select_blocks keywords) of one layer, descriptors as the engine keeps them."""
+    Hq, Hkv, D = SHAPES[shape]
+    q = torch.randn(1, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, Hkv, length, D, device="cuda", dtype=torch.bfloat16)
+    n_blocks = triton.cdiv(length, BLOCK)
+    kmax, kmin = (torch.empty(1, Hkv, n_blocks, D, device="cuda", dtype=torch.int8 if int8 else torch.bfloat16)
+                  for _ in range(2))
+    kscale = torch.empty(1, Hkv, n_blocks, device="cuda") if int8 else None
+    n = torch.tensor([length], device="cuda")
+    update_block_descriptors(k, kmax, kmin, n, length, BLOCK, fold_mean=rule.centroid, scale=kscale)
+    args = dict(block_size=BLOCK, rule=rule, width=rule.keep(n_blocks), scale=D**-0.5, folded=rule.centroid,
+                histogram=new_histogram(1, Hkv, "cuda"), descriptor_scale=kscale)
+    return q, kmax, kmin, n, args
+
+
 def sweep_select(lengths: list[int], rule: KeepRule, shape: str = "llama-3.1-8b", int8: bool = False) -> list[dict]:
     """Block selection with the histogram, as the engine calls it (one layer, median ms): the scoring tile and
     warps, then the one-program top-k's warps (mean pooling; 0 = the launcher's rule), or softmax pooling as one
     launch (with the sync words: the tile, warps, programs an SM and the bounds loop's pipelining). int8: int8 descriptors with their scale, as resa.yaml keeps them."""
     import kernels.block_select.triton as sel
 
-    Hq, Hkv, D = SHAPES[shape]
-    opts = dict(device="cuda", dtype=torch.bfloat16)
+    _, Hkv, D = SHAPES[shape]
     names = ("_DOT_ELEMENTS", "_SCORE_WARPS", "_TOPK_WARPS", "_FUSED_WARPS", "_FUSED_PROGRAMS_PER_SM",
              "_FUSED_STAGES")
     saved = {name: getattr(sel, name) for name in names}
     rows = []
     for length in lengths:
-        q = torch.randn(1, Hq, D, **opts)
-        k = torch.randn(1, Hkv, length, D, **opts)
-        n_blocks = triton.cdiv(length, BLOCK)
-        kmax, kmin = (torch.empty(1, Hkv, n_blocks, D, device="cuda", dtype=torch.int8 if int8 else torch.bfloat16)
-                      for _ in range(2))
-        kscale = torch.empty(1, Hkv, n_blocks, device="cuda") if int8 else None
-        n = torch.tensor([length], device="cuda")
-        update_block_descriptors(k, kmax, kmin, n, length, BLOCK, fold_mean=rule.centroid, scale=kscale)
-        args = dict(block_size=BLOCK, rule=rule, width=rule.keep(n_blocks), scale=D**-0.5, folded=rule.centroid,
-                    histogram=new_histogram(1, Hkv, "cuda"), descriptor_scale=kscale)
+        q, kmax, kmin, n, args = _selection_inputs(shape, length, rule, int8)
         expected = sel.select_blocks_triton(q, kmax, kmin, n, **args)
         configs = [{"_DOT_ELEMENTS": t * D, "_SCORE_WARPS": w} for t in (32, 64, 128) for w in (2, 4, 8)]
         if rule.pooling == "softmax":
@@ -201,21 +207,12 @@ def fused_phases(lengths: list[int], rule: KeepRule, shape: str = "qwen3-1.7b", 
     to the selection as separate launches (median us of CUDA-graph replays, one layer)."""
     import kernels.block_select.triton as sel
 
-    Hq, Hkv, D = SHAPES[shape]
+    _, Hkv, _ = SHAPES[shape]
     names = ("_FUSED_PROGRAMS_PER_SM", "_FUSED_WARPS", "_FUSED_STAGES", "_FUSED_LAST")
     saved = {name: getattr(sel, name) for name in names}
     rows = []
     for length in lengths:
-        q = torch.randn(1, Hq, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(1, Hkv, length, D, device="cuda", dtype=torch.bfloat16)
-        n_blocks = triton.cdiv(length, BLOCK)
-        kmax, kmin = (torch.empty(1, Hkv, n_blocks, D, device="cuda", dtype=torch.int8 if int8 else torch.bfloat16)
-                      for _ in range(2))
-        kscale = torch.empty(1, Hkv, n_blocks, device="cuda") if int8 else None
-        n = torch.tensor([length], device="cuda")
-        update_block_descriptors(k, kmax, kmin, n, length, BLOCK, fold_mean=rule.centroid, scale=kscale)
-        args = dict(block_size=BLOCK, rule=rule, width=rule.keep(n_blocks), scale=D**-0.5, folded=rule.centroid,
-                    histogram=new_histogram(1, Hkv, "cuda"), descriptor_scale=kscale)
+        q, kmax, kmin, n, args = _selection_inputs(shape, length, rule, int8)
         expected = sel.select_blocks_triton(q, kmax, kmin, n, **args)
         with torch.cuda.stream(torch.cuda.Stream()):
             unfused = do_bench_cudagraph(lambda: sel.select_blocks_triton(q, kmax, kmin, n, **args), rep=100,
