@@ -60,6 +60,13 @@ def test_sparse_decoding_reads_a_tenth_and_answers(lm, story_text):
     assert counters["estimation_s"] > 0 and counters["sparse_attention_s"] > 0
     text = lm.tokenizer.decode(tokens)
     assert text.strip(), "no answer"
+    assert "selection_barriers_given_up" not in counters
+    # A GPU whose selection programs could not all meet (kernels/block_select/triton_fused.py) counts it in the
+    # layers' sync words: the report must say so.
+    layer = next(layer for layer in state.cache.layers if not layer.is_sliding)
+    with torch.inference_mode():
+        layer.select_sync[..., 2] = 3
+    assert engine.counters(state)["selection_barriers_given_up"] == 3 * layer.select_sync.shape[1]
 
 
 def _dense_kv(lm, ids: torch.Tensor):
