@@ -86,7 +86,8 @@ def _holds(device: torch.device, args: tuple, kw: dict, rows: int) -> int:
         index = device.index if device.index is not None else torch.cuda.current_device()
         props = triton.runtime.driver.active.utils.get_device_properties(index)
         threads = kw["num_warps"] * 32
-        by_regs = props["max_num_regs"] // max(1, kernel.n_regs * threads)
+        # Registers go to a warp in units of 256 (8 a thread).
+        by_regs = props["max_num_regs"] // max(1, triton.cdiv(kernel.n_regs, 8) * 8 * threads)
         by_smem = props["max_shared_mem"] // kernel.metadata.shared if kernel.metadata.shared else 32
         _RESIDENT[key] = min(by_regs, by_smem, 2048 // threads)
     return _RESIDENT[key]
