@@ -15,8 +15,8 @@ import torch
 from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors
 from kernels.block_descriptors import update_block_descriptors_reference as update_ref
-from kernels.block_select import (HIST_BINS, KeepRule, barrier_timeouts, block_scores, new_histogram, new_sync,
-                                   score_bins, select_blocks)
+from kernels.block_select import (HIST_BINS, SYNC_WORDS, KeepRule, barrier_timeouts, block_scores, new_histogram,
+                                   new_sync, score_bins, select_blocks)
 from kernels.block_select.reference import bin_keys
 from kernels.block_select import select_blocks_reference as select_ref
 from kernels.decode_attention import decode_attention_reference as dense_ref
@@ -712,6 +712,10 @@ def test_select_dispatch_takes_the_histogram_and_validates_it():
         select_blocks_triton(*cpu, histogram=histogram[:, :1], **args)
     with pytest.raises(ValueError, match="histogram of shape"):
         select_blocks_triton(*cpu, histogram=histogram.long(), **args)
+    sync = new_sync(1, 2, "cpu")
+    assert sync.shape == (1, 2, SYNC_WORDS) and not sync.any()
+    with pytest.raises(ValueError, match="sync of shape"):
+        select_blocks_triton(*cpu, histogram=histogram, sync=sync[:, :, :2], **args)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])

@@ -68,8 +68,8 @@ def new_histogram(batch: int, kv_heads: int, device) -> torch.Tensor:
 
 
 def new_sync(batch: int, kv_heads: int, device) -> torch.Tensor:
-    """The sync words `select_blocks` keeps between calls, zeroed (a call leaves them as it found them, but for a
-    count of barriers given up: `barrier_timeouts`)."""
+    """The sync words `select_blocks` keeps between calls, zeroed. A call leaves its arrival counts at zero (the
+    barriers' generation moves on) and adds the barriers it gave up to their count (`barrier_timeouts`)."""
     return torch.zeros(batch, kv_heads, SYNC_WORDS, dtype=torch.int32, device=device)
 
 

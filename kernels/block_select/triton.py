@@ -35,7 +35,7 @@ _RESIDENT_MAX = 32768
 # The fused selection (softmax pooling with the histogram and the sync words): a row in parts, one program each,
 # at most as many programs as the device holds at once, so that a row's programs can meet at its barriers. An H200
 # sweep (Qwen3-1.7B shape, int8, 128K / 256K): 2 programs an SM, 4 warps, the bounds' loop pipelined 3 deep
-# (20.6 / 33.8 us against 23.4 / 40.6 at 1 an SM without pipelining; 4 an SM did not fit). _FUSED_PARTS fixes the
+# (20.6 / 33.8 us against 25.4 / 46.3 at 1 an SM without pipelining; 4 an SM did not fit). _FUSED_PARTS fixes the
 # parts a row (tests); _FUSED_SPLIT runs the phases as separate launches, as the interpreter does.
 _FUSED_PROGRAMS_PER_SM = 2
 _FUSED_PARTS = 0
@@ -50,20 +50,17 @@ _LOG2E = 1.4426950408889634
 _RESIDENT: dict = {}
 
 
-def _launch_fused(head: tuple, tail: tuple, options: dict, rows: int, n_tiles: int, group: int) -> None:
-    """Launch _fused_select_kernel with head + (part maxima, part sums) + tail, its None slots filled with the
-    counts scratch, the parts a row and the tiles a part. The parts come from _FUSED_PROGRAMS_PER_SM, lowered
-    until the compiled kernel fits that many programs on an SM at once, so that a row's programs can meet."""
-    device = head[0].device
+def _launch_fused(fused_args, histogram: torch.Tensor, options: dict, rows: int, n_tiles: int) -> None:
+    """Launch _fused_select_kernel over `rows` rows in parts; fused_args(parts, n_sub) gives its arguments for
+    that split (n_sub tiles a part). The parts come from _FUSED_PROGRAMS_PER_SM, lowered until the compiled
+    kernel fits that many programs on an SM at once, so that a row's programs can meet."""
+    device = histogram.device
     per_sm = _FUSED_PROGRAMS_PER_SM
     while True:
         parts = _FUSED_PARTS or max(1, sm_count(device) * per_sm // rows)
         n_sub = triton.cdiv(n_tiles, min(parts, n_tiles))
         parts = triton.cdiv(n_tiles, n_sub)
-        part_max = torch.empty(rows * group, parts, device=device, dtype=torch.float32)
-        counts = torch.empty(rows, parts, device=device, dtype=torch.int32)
-        slots = iter((counts, parts, n_sub))
-        args = (*head, part_max, torch.empty_like(part_max), *(next(slots) if a is None else a for a in tail))
+        args = fused_args(parts, n_sub)
         kw = dict(options, P_PAD=max(16, triton.next_power_of_2(parts)), STAGES=_FUSED_STAGES,
                   HIST_SLICE=max(16, triton.next_power_of_2(triton.cdiv(HIST_BINS, parts))), num_warps=_FUSED_WARPS)
         if parts == 1 or INTERPRET or _FUSED_SPLIT or per_sm == 1 or _holds(device, args, kw, rows) >= per_sm:
@@ -74,7 +71,7 @@ def _launch_fused(head: tuple, tail: tuple, options: dict, rows: int, n_tiles: i
     for first, last in ((1, 1), (2, 2), (3, 3), (4, 4))[:_FUSED_LAST] if split else ((1, _FUSED_LAST),):
         _fused_select_kernel[(rows, parts)](*args, **kw, FIRST=first, LAST=last)
     if split:
-        tail[1].zero_()  # the histogram, as the one launch leaves it
+        histogram.zero_()  # as the one launch leaves it
 
 
 def _holds(device: torch.device, args: tuple, kw: dict, rows: int) -> int:
@@ -178,14 +175,19 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                           TILE=tile, CENTROID=rule.centroid, FOLDED=fold, QUANT=quant, IEEE=ieee)
     w_pad = max(16, triton.next_power_of_2(width))
     if softmax and hist and sync is not None and NB < 65536:
-        # Scratch: each head's scaled bounds (the parts' figures are allocated by _launch_fused).
         bounds = torch.empty(B, Hkv, group, NB, device=q.device, dtype=torch.float32)
-        head = (*bounds_args, bounds)
-        tail = (scores, histogram, None, sync, out, Hkv, NB, None, None, width, num, den, rule.min_blocks,
-                rule.local_blocks, rule.sink_blocks, scale * _LOG2E, *bounds_tail)
+
+        def fused_args(parts: int, n_sub: int) -> tuple:
+            # Scratch: each head's scaled bounds; per part each head's max and sum of exp2, and its packed counts.
+            part_max = torch.empty(B * Hkv * group, parts, device=q.device, dtype=torch.float32)
+            counts = torch.empty(B * Hkv, parts, device=q.device, dtype=torch.int32)
+            return (*bounds_args, bounds, part_max, torch.empty_like(part_max), scores, histogram, counts, sync, out,
+                    Hkv, NB, parts, n_sub, width, num, den, rule.min_blocks, rule.local_blocks, rule.sink_blocks,
+                    scale * _LOG2E, *bounds_tail)
+
         with launch_context(q.device):
-            _launch_fused(head, tail, dict(bounds_options, W_PAD=w_pad, SHIFT=shift, BASE=base, PDL=pdl,
-                                           launch_pdl=pdl), B * Hkv, n_tiles, group)
+            _launch_fused(fused_args, histogram, dict(bounds_options, W_PAD=w_pad, SHIFT=shift, BASE=base, PDL=pdl,
+                                                      launch_pdl=pdl), B * Hkv, n_tiles)
         return out
     with launch_context(q.device):
         if softmax:
