@@ -1,7 +1,7 @@
 """Kernel benchmarks on a GPU: decode_attention (Triton vs SDPA), chunk_attention (Flex vs SDPA reference),
 vote_attention, ltri-stream's span kernels (span_candidates, span_rows, farthest_point; Triton vs reference), its
-block loads (gather_blocks from pinned host memory vs a copy per block), its block scores (index_scores) and the
-rotations of re-assigned positions (rotary).
+block loads (gather_blocks from pinned host memory vs a copy per block), its block scores (index_scores), the
+rotations of re-assigned positions (rotary) and the decode step's one-token projections (gemv).
 
     python benchmarks/bench_kernels.py --out results.json
 
@@ -16,7 +16,10 @@ blocks, bf16 or fp8 with scales; the per-block path is ContextMemory.load's (two
 a dequantisation for fp8). Block scores: one layer's retrieval of the 8B shape (192 query vectors over the index
 vectors of a 128K or 1M-token document, 12 a 128-token block). Rotations: one layer's rows of the 8B shape (8 KV
 heads, 6,784 rows, head_dim 128, bf16) from a 6,784-row table. Times are do_bench medians in ms: these kernels
-replace chains of small operations, so the reference's time is mostly its launches.
+replace chains of small operations, so the reference's time is mostly its launches. GEMV: each projection of the
+Qwen3-1.7B and Llama-3.1-8B shapes (q/k/v and gate/up fused, as the decode step runs them), 8 distinct weights in
+a row in one CUDA graph (a step's GEMVs read weights that are not in L2), Triton against F.linear (cuBLAS), us
+per GEMV.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines.ltri.memory import ContextMemory  # noqa: E402
 from kernels.chunk_attention.flex import chunk_attention_flex  # noqa: E402
 from kernels.chunk_attention.reference import chunk_attention as chunk_reference  # noqa: E402
+from kernels.gemv.triton import gemv_triton  # noqa: E402
 from kernels.decode_attention.triton import decode_attention_triton, num_splits_for  # noqa: E402
 from kernels.farthest_point import farthest_point_reference  # noqa: E402
 from kernels.farthest_point.triton import farthest_point_triton  # noqa: E402
@@ -206,11 +210,30 @@ def bench_retrieval(tokens: int, A: int = 192, heads: int = 8, dim: int = 128, b
     return {"op": "ltri_retrieval", "tokens": tokens, "index_vectors": N, "query_vectors": A, "rows": rows, "ms": ms}
 
 
+GEMV_SHAPES = {"qwen3-1.7b": {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048),
+                               "down": (2048, 6144)},
+               "llama-3.1-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                                "down": (4096, 14336)}}
+
+
+def bench_gemv(shape: str, name: str, n_weights: int = 8) -> dict:
+    N, K = GEMV_SHAPES[shape][name]
+    x = torch.randn(1, 1, K, device="cuda", dtype=torch.bfloat16)
+    weights = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(n_weights)]
+    torch.testing.assert_close(gemv_triton(x, weights[0]), F.linear(x, weights[0]), rtol=2e-2, atol=2e-2)
+    fns = {"triton": lambda: [gemv_triton(x, w) for w in weights],
+           "cublas": lambda: [F.linear(x, w) for w in weights]}
+    with torch.cuda.stream(torch.cuda.Stream()):
+        us = {k: do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3 / n_weights for k, fn in fns.items()}
+    return {"op": "gemv", "shape": shape, "projection": name, "N": N, "K": K, "us": us,
+            "tb_per_s": {k: N * K * 2 / v / 1e6 for k, v in us.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--capacity", type=int, default=max(DECODE_LENGTHS), help="decode buffer size S")
-    parser.add_argument("--only", choices=["spans", "gather", "retrieval"], help="run only these benchmarks")
+    parser.add_argument("--only", choices=["spans", "gather", "retrieval", "gemv"], help="run only these benchmarks")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -272,6 +295,16 @@ def main() -> None:
             rows.append(r)
             cells = (f"{r['ms'][op]['triton']:14.3f} / {r['ms'][op]['reference']:8.3f}" + " " * 11 for op in ops)
             print(f"{tokens:>8} " + " ".join(cells), flush=True)
+
+    if args.only in (None, "gemv"):
+        print(f"\n{'shape':<13} {'projection':>10} {'N x K':>13} {'triton us (TB/s)':>18} {'cublas us (TB/s)':>18}")
+        for shape, projections in GEMV_SHAPES.items():
+            for name in projections:
+                r = bench_gemv(shape, name)
+                rows.append(r)
+                print(f"{shape:<13} {name:>10} {r['N']:>6}x{r['K']:<6} " + " ".join(
+                    f"{r['us'][k]:9.2f} ({r['tb_per_s'][k]:4.2f})" + " " * 3 for k in ("triton", "cublas")),
+                    flush=True)
 
     result = {
         "device": torch.cuda.get_device_name(),

@@ -8,8 +8,11 @@ the model's own modules and its chunk shapes):
   gate and up projections. At one token each is a GEMV, and the small ones (k and v: 8 MB each on
   Llama-3.1-8B) run far below the memory bandwidth. Each group's weights are moved once into one buffer (the
   modules keep views of their rows: no memory is added, prefill computes what it computed before) and the step
-  runs one GEMV per group.
-- Compiled blocks (run key `compile_decode`, off): the MLPs and norms under torch.compile with static shapes.
+  runs one GEMV per group. The step's projections (the fused groups, the attention's output and the MLP's down
+  projection) run through kernels/gemv: on CUDA a Triton GEMV that streams the weight rows at more of the memory
+  bandwidth than cuBLAS's one-row GEMMs (H200: Qwen3-1.7B's four 39.4 -> ~32 us a layer, benchmarks/README.md).
+- Compiled blocks (run key `compile_decode`, off): the MLPs (with fused projections, their activation * up
+  alone) and norms under torch.compile with static shapes.
   Inductor fuses each RMSNorm (6-8 kernels) and the MLP's activation * up into one (H100, random 8B at 4K:
   8.60 -> 7.73 ms/token, 1,497 -> 1,017 kernels; benchmarks/profile_decode.py). The norms include those inside
   the attention (Qwen 3's and Gemma 3's per-head q_norm and k_norm: eagerly 16 kernels a layer) and the final
@@ -28,7 +31,8 @@ import sys
 import weakref
 
 import torch
-import torch.nn.functional as F
+
+from kernels.gemv import gemv
 
 _COMPILED_SUFFIXES = ("MLP", "RMSNorm")
 _COMPILED_FUNCTIONS = ("apply_rotary_pos_emb",)  # looked up in the attention class's module at call time
@@ -74,7 +78,7 @@ class _SharedGEMV:
 
     def columns(self, x: torch.Tensor, part: int) -> torch.Tensor:
         if x is not self.x:
-            self.x, self.y = x, F.linear(x, self.weight, self.bias)
+            self.x, self.y = x, gemv(x, self.weight, self.bias)
         start, stop = self.bounds[part]
         return self.y[..., start:stop]
 
@@ -91,18 +95,37 @@ class _Part(torch.nn.Module):
         return self.shared.columns(x, self.part)
 
 
+class Projection(torch.nn.Module):
+    """An nn.Linear's forward through kernels/gemv (one token on CUDA: the project's GEMV; else F.linear)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemv(x, self.weight, self.bias)
+
+
 class GatedMLP(torch.nn.Module):
     """down(act(gate(x)) * up(x)), the MLP of the Llama, Qwen, Mistral and Gemma families, with gate and up as
-    one GEMV."""
+    one GEMV. Compiled (`compile_gate`), only the activation and product go through torch.compile: the GEMVs
+    stay kernels/gemv launches."""
 
     def __init__(self, mlp: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.act_fn, self.down_proj = mlp.act_fn, mlp.down_proj
+        self.act_fn, self.down = mlp.act_fn, Projection(mlp.down_proj)
         self.weight, self.bias = weight, bias
+        self.gate = self._gate
+
+    def _gate(self, both: torch.Tensor) -> torch.Tensor:
+        gate, up = both.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def compile_gate(self) -> None:
+        self.gate = torch.compile(self._gate, dynamic=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.weight, self.bias).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+        return self.down(self.gate(gemv(x, self.weight, self.bias)))
 
 
 def _gated_mlp(mlp: torch.nn.Module) -> GatedMLP | None:
@@ -141,7 +164,9 @@ class DecodeBlocks:
                         self.fused.add("gate_up")
                 if fuse and hasattr(child, "q_proj"):
                     self._fuse_attention(child)
-                if compile and type(child).__name__.endswith(_COMPILED_SUFFIXES):
+                if compile and isinstance(replacement, GatedMLP):
+                    replacement.compile_gate()
+                elif compile and type(child).__name__.endswith(_COMPILED_SUFFIXES):
                     replacement = torch.compile(replacement, dynamic=False)
                 if compile and hasattr(child, "q_proj"):
                     self._compile_functions(sys.modules[type(child).__module__])
@@ -172,6 +197,8 @@ class DecodeBlocks:
         self.shared.append(shared)
         self.slots += [(attn, n, getattr(attn, n), _Part(shared, i)) for i, n in enumerate(names)]
         self.fused.add("qkv")
+        if isinstance(getattr(attn, "o_proj", None), torch.nn.Linear):
+            self.slots.append((attn, "o_proj", attn.o_proj, Projection(attn.o_proj)))
 
     @contextlib.contextmanager
     def swapped(self):

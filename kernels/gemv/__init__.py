@@ -1,0 +1,33 @@
+"""gemv: one token's projection y = x W^T (+ b), as nn.Linear computes it.
+
+The decode step's projections (engines/decode_blocks.py) call this: a Triton kernel for one row on
+CUDA in half precision (triton.py), torch's linear for everything else (CPU, several rows, fp32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.gemv.reference import gemv as gemv_reference
+
+__all__ = ["gemv", "gemv_reference"]
+
+
+@functools.cache
+def _triton_impl():
+    try:
+        from kernels.gemv.triton import gemv_triton
+    except ImportError:
+        return None
+    return gemv_triton
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K]; weight: [N, K]; bias: [N] or None -> [..., N] in x's dtype, F.linear's result."""
+    impl = _triton_impl() if x.is_cuda else None
+    if impl is None or x.numel() != x.shape[-1] or x.dtype not in (torch.bfloat16, torch.float16) \
+            or weight.dtype != x.dtype or not weight.is_contiguous():
+        return gemv_reference(x, weight, bias)
+    return impl(x, weight, bias)

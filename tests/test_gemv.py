@@ -1,0 +1,60 @@
+"""kernels/gemv: the decode step's one-token projection against F.linear (Triton on CUDA, or on CPU through
+Triton's interpreter; the dispatch's fallbacks on CPU, CI)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.gemv import gemv
+from tests.conftest import TRITON_DEVICE
+
+
+def test_gemv_is_linear_off_the_kernels_path():
+    """CPU, several rows, fp32: F.linear's result exactly, with and without bias."""
+    torch.manual_seed(42)
+    w, b = torch.randn(24, 40), torch.randn(24)
+    for x in (torch.randn(1, 1, 40), torch.randn(3, 40)):
+        assert torch.equal(gemv(x, w), F.linear(x, w)) and torch.equal(gemv(x, w, b), F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("N,K", [(8, 512), (1000, 640), (2048, 2048), (12, 4097)], ids=lambda n: str(n))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.triton
+def test_gemv_triton_matches_fp32(dtype, N, K, bias):
+    """Rows and K that are not multiples of the tiles: error against an fp32 product at most 2x torch's own at
+    the same dtype (flash-attention's rule)."""
+    from kernels.gemv.triton import gemv_triton
+
+    if TRITON_DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter has no bfloat16")
+    torch.manual_seed(42)
+    w = (torch.randn(N, K) * K**-0.5).to(dtype).to(TRITON_DEVICE)
+    x = torch.randn(1, 1, K).to(dtype).to(TRITON_DEVICE)
+    b = torch.randn(N).to(dtype).to(TRITON_DEVICE) if bias else None
+    out = gemv_triton(x, w, b)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert out.shape == (1, 1, N) and out.dtype == dtype
+    low = F.linear(x.cpu().float(), w.cpu().float(), None if b is None else b.cpu().float()).to(dtype) \
+        if TRITON_DEVICE == "cpu" else F.linear(x, w, b)
+    torch_err = (low.float().to(ref.device) - ref).abs().max().item()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 2 * torch_err + 1e-5, f"kernel error {err:.2e} vs torch {dtype} error {torch_err:.2e}"
+
+
+def test_gemv_triton_refuses_what_it_cannot_take():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    from kernels.gemv.triton import gemv_triton
+
+    w = torch.randn(16, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="one row"):
+        gemv_triton(torch.randn(2, 32, dtype=torch.float16), w)
+    with pytest.raises(ValueError, match="contiguous weight"):
+        gemv_triton(torch.randn(1, 16, dtype=torch.float16), w.t())
+    with pytest.raises(ValueError, match="bias"):
+        gemv_triton(torch.randn(1, 32, dtype=torch.float16), w, torch.randn(8, dtype=torch.float16))
