@@ -294,6 +294,7 @@ class Engine(Reuse, AnswerLoop, ABC):
                 "decode_cuda_graph": f"one per device ({len(segments.segments)})" if per_device else graph,
                 "decode_compiled_blocks": blocks is not None and blocks.compiled,
                 "decode_fused_projections": "+".join(sorted(blocks.fused)) if blocks and blocks.fused else "none",
+                "decode_projections": blocks.projections if blocks else "torch linear",
                 "prefill_cuda_graphs": state.cache.prefill_graphs,
                 **self.backends(), **state.counters,
                 **(state.cache.positions.counters() if state.cache.positions is not None else {})}

@@ -10,7 +10,7 @@ the model's own modules and its chunk shapes):
   modules keep views of their rows: no memory is added, prefill computes what it computed before) and the step
   runs one GEMV per group. The step's projections (the fused groups, the attention's output and the MLP's down
   projection) run through kernels/gemv: on CUDA a Triton GEMV that streams the weight rows at more of the memory
-  bandwidth than cuBLAS's one-row GEMMs (H200: Qwen3-1.7B's four 39.4 -> ~32 us a layer, benchmarks/README.md).
+  bandwidth than cuBLAS's one-row GEMMs (H200: Qwen3-1.7B's four 40.4 -> 31.5 us a layer, benchmarks/README.md).
 - Compiled blocks (run key `compile_decode`, off): the MLPs (with fused projections, their activation * up
   alone) and norms under torch.compile with static shapes.
   Inductor fuses each RMSNorm (6-8 kernels) and the MLP's activation * up into one (H100, random 8B at 4K:
@@ -32,7 +32,7 @@ import weakref
 
 import torch
 
-from kernels.gemv import gemv
+from kernels.gemv import gemv, gemv_backend
 
 _COMPILED_SUFFIXES = ("MLP", "RMSNorm")
 _COMPILED_FUNCTIONS = ("apply_rotary_pos_emb",)  # looked up in the attention class's module at call time
@@ -175,6 +175,9 @@ class DecodeBlocks:
                     self.slots.append((layer, name, child, replacement))
         if compile:
             self._compile_norms(model.get_decoder())  # the final norm, once per step
+        # For the report: what the swapped-in projections run (none swapped: the model's own Linear modules).
+        device = next(model.parameters()).device
+        self.projections = gemv_backend(device) if self.fused else "torch linear"
 
     def _compile_norms(self, parent: torch.nn.Module) -> None:
         """parent's own RMSNorm children (not its layers'), compiled like the layers' norms."""

@@ -235,6 +235,7 @@ def test_bench_json(cli, tmp_path):
     assert row["host_rss_before_gib"] > 0.5 and 0 <= row["host_peak_added_gib"] < row["host_rss_before_gib"]
     assert row["counters"]["decode_compiled_blocks"] is False
     assert row["counters"]["decode_fused_projections"] == "none"
+    assert row["counters"]["decode_projections"] == "torch linear"
     assert row["counters"]["prefill_cuda_graphs"] is False  # CPU: the model's own modules
 
 

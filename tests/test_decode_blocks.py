@@ -124,6 +124,7 @@ def test_fused_and_compiled_decode_error_within_twice_the_eager_steps_error_on_g
         counters = engine.counters(state)
         assert counters["decode_compiled_blocks"] is compiled
         assert counters["decode_fused_projections"] == ("gate_up+qkv" if fuse else "none")
+        assert counters["decode_projections"] == ("triton gemv" if fuse else "torch linear")
     reference = copy.deepcopy(lm.model).float()
     reference.set_attn_implementation("sdpa")
     full = torch.cat([ids, question, torch.tensor(targets)]).view(1, -1).cuda()

@@ -12,7 +12,7 @@ import torch
 
 from kernels.gemv.reference import gemv as gemv_reference
 
-__all__ = ["gemv", "gemv_reference"]
+__all__ = ["gemv", "gemv_backend", "gemv_reference"]
 
 
 @functools.cache
@@ -25,9 +25,18 @@ def _triton_impl():
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K]; weight: [N, K]; bias: [N] or None -> [..., N] in x's dtype, F.linear's result."""
+    """x: [..., K]; weight: [N, K]; bias: [N] or None -> [..., N] in x's dtype, F.linear's result.
+
+    On Hopper the kernel reads its first weight tile before the kernel launched before it on the stream has
+    finished (programmatic dependent launch): the weight must not be that kernel's output (a model's weights
+    never are)."""
     impl = _triton_impl() if x.is_cuda else None
     if impl is None or x.numel() != x.shape[-1] or x.dtype not in (torch.bfloat16, torch.float16) \
             or weight.dtype != x.dtype or not weight.is_contiguous():
         return gemv_reference(x, weight, bias)
     return impl(x, weight, bias)
+
+
+def gemv_backend(device: torch.device) -> str:
+    """What a one-token half-precision projection runs on `device`, for the report."""
+    return "triton gemv" if device.type == "cuda" and _triton_impl() else "torch linear"
