@@ -253,7 +253,8 @@ def sweep_rectify(lengths: list[int]) -> list[dict]:
             v = torch.randn(1, Hkv, length, D, **opts)
             n = torch.tensor([length], device="cuda")
             expected = None
-            for per_program, warps, stages in ((64, 4, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (64, 8, 2)):
+            for per_program, warps, stages in ((64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2),
+                                               (128, 8, 3), (64, 8, 2)):
                 dec.MANY_ROWS.update(rows=per_program, warps=warps, stages=stages)
                 fn = lambda: decode_attention(q, k, v, n, scale=D**-0.5)  # noqa: E731
                 try:
@@ -276,6 +277,50 @@ def sweep_rectify(lengths: list[int]) -> list[dict]:
     return rows
 
 
+def sweep_rectify_launch(lengths: list[int]) -> list[dict]:
+    """The few-query kernel's whole launch for rectification's G x 32 rows at each shape: keys a tile, warps,
+    stages and programs an SM (the splits), with the rows a program as launch_config picks them (median ms of one
+    layer, in a CUDA graph with its merge)."""
+    import kernels.decode_attention.triton as dec
+
+    names = ("_BLOCK_N", "_PROGRAMS_PER_SM", "_NUM_WARPS", "_FEW_QUERY_STAGES")
+    saved, saved_many = {n: getattr(dec, n) for n in names}, dict(dec.MANY_ROWS)
+    rows = []
+    for shape, (Hq, Hkv, D) in SHAPES.items():
+        for length in lengths:
+            opts = dict(device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(1, Hq, RECTIFY, D, **opts)
+            k, v = torch.randn(1, Hkv, length, D, **opts), torch.randn(1, Hkv, length, D, **opts)
+            n = torch.tensor([length], device="cuda")
+            fn = lambda: decode_attention(q, k, v, n, scale=D**-0.5)  # noqa: E731
+            expected = fn().float()
+            for block_n in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (2, 3, 4):
+                        for per_sm in (1, 2, 3, 4):
+                            values = dict(zip(names, (block_n, per_sm, warps, stages)))
+                            for name, value in values.items():
+                                setattr(dec, name, value)
+                            dec.MANY_ROWS.update(warps=warps, stages=stages)
+                            try:
+                                err = (fn().float() - expected).abs().max().item()
+                                with torch.cuda.stream(torch.cuda.Stream()):
+                                    ms = do_bench_cudagraph(fn, rep=50, return_mode="median")
+                            except Exception as e:  # registers or shared memory: skipped
+                                print(f"{shape} {length} {values}: {type(e).__name__}"[:200])
+                                continue
+                            rows.append({"shape": shape, "length": length, "block_n": block_n, "warps": warps,
+                                         "stages": stages, "programs_per_sm": per_sm, "ms": ms,
+                                         "max_diff_vs_shipped": err, "gb_per_s": 4 * Hkv * length * D / ms / 1e6})
+                            print(rows[-1], flush=True)
+            for name, value in saved.items():
+                setattr(dec, name, value)
+            dec.MANY_ROWS.update(saved_many)
+            del q, k, v
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -290,6 +335,8 @@ def main() -> None:
     parser.add_argument("--sweep-sparse", action="store_true", help="only sweep the sparse kernel's tiling")
     parser.add_argument("--sweep-select", action="store_true", help="only sweep the selection's tiling and search")
     parser.add_argument("--sweep-rectify", action="store_true", help="only sweep the rectification kernel's rows")
+    parser.add_argument("--sweep-rectify-launch", action="store_true",
+                        help="only sweep the rectification kernel's key tile, warps, stages and splits")
     parser.add_argument("--fused-phases", action="store_true",
                         help="only time the fused selection's phases (softmax pooling) over its launch settings")
     args = parser.parse_args()
@@ -304,8 +351,9 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps({**meta, "shape": args.shape, "rows": rows}, indent=2) + "\n")
         return
-    if args.sweep_rectify:
-        rows = sweep_rectify(list(map(int, args.lengths.split(","))))
+    if args.sweep_rectify or args.sweep_rectify_launch:
+        sweep = sweep_rectify_launch if args.sweep_rectify_launch else sweep_rectify
+        rows = sweep(list(map(int, args.lengths.split(","))))
         if args.out:
             args.out.write_text(json.dumps({**meta, "rectify_tokens": RECTIFY, "rows": rows}, indent=2) + "\n")
         return

@@ -7,8 +7,8 @@ step run eagerly (kernel count and the sum of kernel times: the difference to th
 kernel boundaries cost). --compile blocks is the profile key compile_decode (the layers' MLPs and norms compiled
 inside the captured step); --compile layer, an experiment, compiles whole decoder layers with the attention
 left eager (a graph break), for prefill too. --trace N profiles N replays of the captured step itself: each
-kernel's time inside the graph, by family (GEMMs, compiled kernels, each of the project's kernels) and the time
-no kernel ran.
+kernel's time inside the graph, by family (GEMMs, compiled kernels, each of the project's kernels), the time
+no kernel ran, and which kernels that idle time lies between.
 """
 
 from __future__ import annotations
@@ -79,9 +79,16 @@ def _replay_trace(replay, n: int) -> dict:
     # times and the idle time add up to the wall clock.
     busy, reach = 0.0, spans[0][0]
     by_name: dict[str, list[tuple[float, float]]] = {}
+    gaps: dict[tuple[str, str], float] = {}  # idle time by the kernels on either side of it
+    before = ""
     for start, end, name in spans:
         own = max(0.0, end - max(start, reach))
+        if start > reach:
+            pair = (before[:60], name[:60])
+            gaps[pair] = gaps.get(pair, 0.0) + start - reach
         busy += own
+        if end > reach:
+            before = name
         reach = max(reach, end)
         by_name.setdefault(name[:100], []).append((end - start, own))
     families: dict[str, float] = {}
@@ -94,6 +101,8 @@ def _replay_trace(replay, n: int) -> dict:
     return {"replays": n, "wall_us": round(wall, 1), "busy_us": round(busy / n, 1),
             "idle_us": round(wall - busy / n, 1), "kernels_per_step": len(spans) / n,
             "families_own_us": {k: round(v, 1) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
+            "idle_between": [{"after": a, "before": b, "us_per_step": round(t / n, 1)}
+                             for (a, b), t in sorted(gaps.items(), key=lambda kv: -kv[1])[:12]],
             "kernels": rows}
 
 

@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 
 
 class AnswerLoop:
+    # Launch each decode step before reading the token of the one before (the step reads that token on the
+    # device): the GPU then never waits for the host between steps. An answer stopped early (a stop string)
+    # has computed one step more than it yields. Engines whose steps need the host between them opt out.
+    decode_ahead = True
+
     @torch.inference_mode()
     def answer(self, state: DocumentState, question_ids: torch.Tensor, max_new_tokens: int,
                sampler: Sampler) -> Iterator[int]:
@@ -28,19 +33,34 @@ class AnswerLoop:
             torch.manual_seed(sampler.seed)
         token = int(sampler(logits).item())
         step = self._decode_step(state, sampler) if max_new_tokens > 1 else None
-        for produced in range(max_new_tokens):
+        yield token
+        if step is None:
+            return
+        step.start(token, state.position)
+        self._on_decode_start(state)
+        ahead = self.decode_ahead and step.graph is not None
+        read = step.launch()
+        self._stepped(state, token)
+        for produced in range(1, max_new_tokens):
+            last = produced + 1 == max_new_tokens
+            following = step.launch() if ahead and not last else None
+            token = read()
+            if following is not None:
+                self._stepped(state, token)
             yield token
-            if produced + 1 == max_new_tokens:
+            if last:
                 break
-            if produced == 0:
-                step.start(token, state.position)
-                self._on_decode_start(state)
-            step.step()
-            self._after_step(state, token)
-            state.position += 1
-            token = int(step.token.item())
-            if state.cache.positions is not None:
-                state.cache.positions.note(state.position - 1)
+            if following is None:
+                following = step.launch()
+                self._stepped(state, token)
+            read = following
+
+    def _stepped(self, state: DocumentState, fed_token: int) -> None:
+        """The host's share of a decode step that fed `fed_token` (queued on the device, maybe not yet run)."""
+        self._after_step(state, fed_token)
+        state.position += 1
+        if state.cache.positions is not None:
+            state.cache.positions.note(state.position - 1)
 
     @torch.inference_mode()
     def teacher_forced_nll(self, state: DocumentState, question_ids: torch.Tensor, targets: list[int]) -> list[float]:

@@ -229,6 +229,12 @@ class Engine(Reuse, AnswerLoop, ABC):
                          logits_to_keep=1, longctx=cache)
         return out.logits
 
+    def _write_kv(self, cache, ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """ids, positions: [1, T] through the decoder layers only: their K/V into the cache, no final norm and no
+        LM head (for passes whose logits nobody reads: resa's rectification)."""
+        self.model.get_decoder()(input_ids=ids, position_ids=cache.model_positions(positions), past_key_values=cache,
+                                 use_cache=True, longctx=cache)
+
     @torch.inference_mode()
     def _extend(self, cache, ids: torch.Tensor, start: int, progress: Callable[[int], None] | None = None, *,
                 slot: int | None = None) -> torch.Tensor:

@@ -82,6 +82,12 @@ class DecodeStep:
         self.logits: torch.Tensor | None = None
         self.use_graph = use_graph and device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
+        # Page-locked slots the steps' tokens are copied to, each with the event that says it has arrived: two,
+        # for the step being read and the one launched ahead of it (AnswerLoop.answer).
+        pinned = device.type == "cuda"
+        self.outbox = [(torch.zeros(1, dtype=torch.long, pin_memory=pinned), torch.cuda.Event() if pinned else None)
+                       for _ in range(2)]
+        self.sent = 0
 
     def _step(self) -> None:
         self.cache.begin_decode(self.position, self.length)
@@ -125,6 +131,23 @@ class DecodeStep:
             self.graph = capture_graph(self._step, self.token.device)
         restore()
 
+    def launch(self):
+        """One step, queued; returns a function that gives its token once it is computed. The token's copy to the
+        host is queued behind the step, so the next step may be launched before this one's token is read."""
+        self.step()
+        host, arrived = self.outbox[self.sent % 2]
+        self.sent += 1
+        if arrived is None:
+            token = int(self.token.item())
+            return lambda: token
+        host.copy_(self.token.view(1), non_blocking=True)
+        arrived.record(torch.cuda.current_stream(self.token.device))
+
+        def read() -> int:
+            arrived.synchronize()
+            return int(host.item())
+        return read
+
     def step(self) -> None:
         if self.graph is not None:
             self.graph.replay()
@@ -138,9 +161,10 @@ class StaticForward:
     """`n` known tokens through the model at positions start .. start+n-1, K/V written in place; static shapes.
 
     For engines that re-encode their newest tokens (resa's rectification). Static device tensors: ids [1, n],
-    position [n], length [1] = start + n. `forward(ids, position_ids)` must write K/V through the cache; its
-    logits are discarded. On GPU the step is captured once as a CUDA graph (`capture(start)` writes scratch K/V
+    position [n], length [1] = start + n. `forward(ids, position_ids)` must write K/V through the cache; what it
+    returns is discarded. On GPU the step is captured once as a CUDA graph (`capture(start)` writes scratch K/V
     at [start, start + n): call it where those slots are not yet valid) and replayed, with `blocks` in place.
+    Loading the tokens never waits for the device: the decode steps queued before it keep it busy.
     """
 
     def __init__(self, forward, cache, n: int, device: torch.device, use_graph: bool,
@@ -149,7 +173,12 @@ class StaticForward:
         if segments is not None:
             cache.mirrored = segments.devices
         self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.steps = torch.arange(n, device=device)
         self.position = torch.arange(n, device=device)
+        # The tokens go up from page-locked memory without a sync; the event says the last copy has left it.
+        pinned = device.type == "cuda"
+        self.staged = torch.zeros(1, n, dtype=torch.long, pin_memory=pinned)
+        self.sent = torch.cuda.Event() if pinned else None
         self.length = torch.full((1,), n, dtype=torch.long, device=device)
         self.use_graph = use_graph and device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -161,8 +190,13 @@ class StaticForward:
     def _load(self, ids: list[int], start: int) -> None:
         if len(ids) != self.n:
             raise ValueError(f"expected {self.n} tokens, got {len(ids)}")
-        self.ids.copy_(torch.tensor(ids, dtype=torch.long).view(1, -1))
-        self.position.copy_(torch.arange(start, start + self.n))
+        if self.sent is not None:
+            self.sent.synchronize()
+        self.staged.copy_(torch.tensor(ids, dtype=torch.long).view(1, -1))
+        self.ids.copy_(self.staged, non_blocking=True)
+        if self.sent is not None:
+            self.sent.record(torch.cuda.current_stream(self.ids.device))
+        torch.add(self.steps, start, out=self.position)
         self.length.fill_(start + self.n)
 
     def capture(self, start: int) -> None:

@@ -9,9 +9,10 @@
   k (the local blocks always; kernels/block_select), and attention reads only those blocks
   (kernels/sparse_decode_attention). Sliding-window layers (Gemma 3)
   stay exact: they already read only their window.
-- Rectification: every `rectify_every` decoded tokens, those tokens go through the model again in one dense
-  pass (kernels/decode_attention with T queries) that overwrites their K/V and descriptors; its logits are
-  discarded. On GPU both the decode step and the rectification step are captured CUDA graphs.
+- Rectification: every `rectify_every` decoded tokens, those tokens go through the decoder layers again in one
+  dense pass (kernels/decode_attention with T queries) that overwrites their K/V and descriptors; no logits are
+  computed (no final norm, no LM head). On GPU both the decode step and the rectification step are captured
+  CUDA graphs.
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ class ResaEngine(Engine):
             use_graph = self.run.decode_graph and self.single_device and self.device.type == "cuda"
             segments = self._segmented_run()  # a model split over GPUs: a graph per device
             # The decode step's modules (compiled ones compile once more, for f tokens).
-            rectify = StaticForward(lambda ids, pos: self._forward(cache, ids, pos), cache, f, self.device,
+            rectify = StaticForward(lambda ids, pos: self._write_kv(cache, ids, pos), cache, f, self.device,
                                     use_graph, self._decode_blocks(use_graph or segments is not None,
                                                                    self.run.compile_decode), segments)
             # Captured now, not at the first rectification, so that it never lands inside timed decoding;

@@ -22,6 +22,8 @@ class StarEngine(Engine):
     name = "star"
     Config = StarConfig
     State = StarState
+    # Phase 2's byte tally counts one forward per token yielded after the first; the ranks decode in step.
+    decode_ahead = False
 
     def __init__(self, lm, config, run, *, home: Path | None = None):
         super().__init__(lm, config, run, home=home)

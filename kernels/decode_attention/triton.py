@@ -31,13 +31,18 @@ _MAX_ROWS = 64
 # 32 tokens over 128K keys (benchmarks/bench_resa_kernels.py --sweep-rectify): Llama-8B's 128 rows 0.232
 # ms a layer, against 0.379 as two programs of 64 rows each re-reading the keys; Gemma 3's 0.134 vs 0.209.
 MANY_ROWS = {"rows": 128, "warps": 8, "stages": 3}
+# Several query tokens in at most _MAX_ROWS rows (Qwen3-1.7B's rectification: 2 heads x 32 tokens) take one
+# more stage: H200, 32 tokens over 128K keys (bench_resa_kernels.py --sweep-rectify-launch), 0.151 -> 0.137 ms
+# a layer; no key tile, warp count or split count of the sweep did better. One token keeps _NUM_STAGES.
+_FEW_QUERY_STAGES = 3
 
 
-def launch_config(rows: int, head_dim: int) -> tuple[int, int, int]:
-    """(rows per program, warps, stages) for `rows` query rows of one KV head."""
+def launch_config(rows: int, head_dim: int, queries: int = 1) -> tuple[int, int, int]:
+    """(rows per program, warps, stages) for `rows` query rows (`queries` tokens) of one KV head."""
     wide = head_dim > 128
     if rows <= (_MAX_ROWS // 2 if wide else _MAX_ROWS):
-        return max(16, triton.next_power_of_2(rows)), _NUM_WARPS, _NUM_STAGES
+        stages = _FEW_QUERY_STAGES if queries > 1 else _NUM_STAGES
+        return max(16, triton.next_power_of_2(rows)), _NUM_WARPS, stages
     per_program = MANY_ROWS["rows"] // 2 if wide else MANY_ROWS["rows"]
     return min(per_program, triton.next_power_of_2(rows)), MANY_ROWS["warps"], MANY_ROWS["stages"]
 
@@ -219,7 +224,7 @@ def decode_attention_triton(
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
     num_splits = num_splits_for(B, Hkv, S, q.device)
-    rows_pad, num_warps, num_stages = launch_config(group * T, D)
+    rows_pad, num_warps, num_stages = launch_config(group * T, D, T)
     # Scratch from the caching allocator: inside a graph capture it comes from the graph's private pool.
     out_part = torch.empty(B * Hq * T, num_splits, D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B * Hq * T, num_splits, device=q.device, dtype=torch.float32)
