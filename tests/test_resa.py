@@ -45,6 +45,41 @@ def test_short_document_is_exactly_dense(lm, story_text, n, settings):
     assert engine.counters(state)["resa_decode"].startswith("dense: every block kept")
 
 
+class _EagerReplay:
+    """Stands in for a captured graph on the CPU: a replay runs the step eagerly."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def replay(self) -> None:
+        self.step._step()
+
+
+def test_steps_launched_ahead_give_the_plain_loops_tokens(lm, story_text):
+    """The answer loop's order with captured steps (each launched before the previous token is read, resa's
+    rectifications queued between), run on the CPU with the eager step standing in for the graph: the plain
+    loop's tokens and rectifications, and an answer closed after 5 tokens has run 5 steps (one more than needed)."""
+    from engines.decoding import Sampler
+
+    doc, question = story_ids(lm, story_text, 600)
+    engine = make_engine(lm, "resa", rectify_every=4, **SPARSE)
+    state = engine.prefill(doc, reserve=question.numel() + 12)
+    checkpoint = engine.checkpoint(state)
+    plain = list(engine.answer(state, question, 12, Sampler()))
+    assert engine.counters(state)["rectifications"] == 11 // 4
+    engine.restore(state, checkpoint)
+    step = engine._decode_step(state, Sampler())
+    step.graph = _EagerReplay(step)
+    assert list(engine.answer(state, question, 12, Sampler())) == plain
+    assert engine.counters(state)["rectifications"] == 11 // 4
+    engine.restore(state, checkpoint)
+    start = state.position
+    stream = engine.answer(state, question, 12, Sampler())
+    first = [next(stream) for _ in range(5)]
+    stream.close()
+    assert first == plain[:5] and state.position == start + question.numel() + 5
+
+
 def test_sparse_decoding_reads_a_tenth_and_answers(lm, story_text):
     """~3K tokens: 10% of the blocks on the 3 global layers; the report says what was read and rectified."""
     doc, question = story_ids(lm, story_text, 3000)
