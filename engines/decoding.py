@@ -82,12 +82,11 @@ class DecodeStep:
         self.logits: torch.Tensor | None = None
         self.use_graph = use_graph and device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
-        # Page-locked slots the steps' tokens are copied to, each with the event that says it has arrived: two,
-        # for the step being read and the one launched ahead of it (AnswerLoop.answer).
-        pinned = device.type == "cuda"
-        self.outbox = [(torch.zeros(1, dtype=torch.long, pin_memory=pinned), torch.cuda.Event() if pinned else None)
-                       for _ in range(2)]
-        self.sent = 0
+        # On GPU, page-locked slots the steps' tokens are copied to, each with the event that says it has arrived:
+        # two, for the step being read and the one launched ahead of it (AnswerLoop.answer).
+        self.outbox = [(torch.zeros(1, dtype=torch.long, pin_memory=True), torch.cuda.Event())
+                       for _ in range(2)] if device.type == "cuda" else []
+        self.launched = 0
 
     def _step(self) -> None:
         self.cache.begin_decode(self.position, self.length)
@@ -135,11 +134,11 @@ class DecodeStep:
         """One step, queued; returns a function that gives its token once it is computed. The token's copy to the
         host is queued behind the step, so the next step may be launched before this one's token is read."""
         self.step()
-        host, arrived = self.outbox[self.sent % 2]
-        self.sent += 1
-        if arrived is None:
+        if not self.outbox:
             token = int(self.token.item())
             return lambda: token
+        host, arrived = self.outbox[self.launched % 2]
+        self.launched += 1
         host.copy_(self.token.view(1), non_blocking=True)
         arrived.record(torch.cuda.current_stream(self.token.device))
 
@@ -173,8 +172,8 @@ class StaticForward:
         if segments is not None:
             cache.mirrored = segments.devices
         self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
-        self.steps = torch.arange(n, device=device)
-        self.position = torch.arange(n, device=device)
+        self.offsets = torch.arange(n, device=device)
+        self.position = self.offsets.clone()
         # The tokens go up from page-locked memory without a sync; the event says the last copy has left it.
         pinned = device.type == "cuda"
         self.staged = torch.zeros(1, n, dtype=torch.long, pin_memory=pinned)
@@ -196,7 +195,7 @@ class StaticForward:
         self.ids.copy_(self.staged, non_blocking=True)
         if self.sent is not None:
             self.sent.record(torch.cuda.current_stream(self.ids.device))
-        torch.add(self.steps, start, out=self.position)
+        torch.add(self.offsets, start, out=self.position)
         self.length.fill_(start + self.n)
 
     def capture(self, start: int) -> None:
