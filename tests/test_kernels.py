@@ -12,7 +12,7 @@ from kernels.chunk_attention import chunk_attention
 from kernels.chunk_attention.reference import chunk_attention as chunk_reference
 from kernels.decode_attention import decode_attention, merge_partials
 from kernels.decode_attention.reference import decode_attention as decode_reference
-
+from tests.conftest import TRITON_DEVICE
 
 
 @pytest.fixture(autouse=True)
@@ -407,6 +407,35 @@ def test_decode_triton_many_rows_matches_reference(shape, T):
     length = torch.tensor([n], device="cuda")
     out, lse = decode_attention_triton(q, k, v, length, scale=D**-0.5, return_lse=True)
     ref, ref_lse = decode_reference(q.float(), k.float(), v.float(), length, scale=D**-0.5, return_lse=True)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+# The first query's position one before, at and one past a 64- and a 128-key tile's edge, and a query block past
+# the keys (star's context ranks: q_first beyond length).
+@pytest.mark.parametrize("case", [(4094, None), (4095, None), (4096, None), (1000, 5000)],
+                         ids=lambda c: f"first{c[0]}-qfirst{c[1]}")
+@pytest.mark.parametrize("group", [2, 4], ids=lambda g: f"G{g}")
+@pytest.mark.triton
+def test_decode_triton_unmasked_whole_tiles_stop_at_the_first_query(case, group):
+    """Several query tokens: whole tiles of keys below the first query's position run without masks. Each row
+    stays causal at its own position, and no key at or past a length (NaN there) reaches the result."""
+    from kernels.decode_attention.triton import decode_attention_triton
+
+    device = TRITON_DEVICE
+    first, q_first = case
+    T, Hkv, D = 32, 2, 64
+    n = first + T if q_first is None else first
+    q = torch.randn(1, Hkv * group, T, D, device=device, dtype=torch.float16)
+    k, v = make_cache(1, Hkv, n + 77, D, [n], dtype=torch.float16, device=device)
+    # Keys past the first query carry large values: one seen a row too early moves that row's output by ~0.2.
+    v[:, :, first + 1:n] = 1000.0
+    length = torch.tensor([n], device=device)
+    q_first_t = None if q_first is None else torch.tensor([q_first], device=device)
+    out, lse = decode_attention_triton(q, k, v, length, scale=D**-0.5, q_first=q_first_t, return_lse=True)
+    ref, ref_lse = decode_reference(q.float(), k.float(), v.float(), length, scale=D**-0.5, q_first=q_first_t,
+                                    return_lse=True)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)

@@ -27,24 +27,37 @@ _MAX_SPLITS = 256
 _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 2
 # Query rows (GQA group x tokens) per program: more are split over programs, each re-reading the keys.
 _MAX_ROWS = 64
-# Many rows (rectification: G x 32 tokens) per program, at head_dim <= 128 (half at 256), warps, stages. H100,
-# 32 tokens over 128K keys (benchmarks/bench_resa_kernels.py --sweep-rectify): Llama-8B's 128 rows 0.232
-# ms a layer, against 0.379 as two programs of 64 rows each re-reading the keys; Gemma 3's 0.134 vs 0.209.
-MANY_ROWS = {"rows": 128, "warps": 8, "stages": 3}
+# Many rows (rectification: G x 32 tokens) per program at head_dim <= 128 (half at 256): rows, warps, stages and
+# keys a tile (64 at head_dim 256: 128 do not fit shared memory). H100, 32 tokens over 128K keys
+# (benchmarks/bench_resa_kernels.py --sweep-rectify): Llama-8B's 128 rows 0.232 ms a layer, against 0.379 as two
+# programs of 64 rows each re-reading the keys; Gemma 3's 0.134 vs 0.209. With whole tiles unmasked, H200: 0.188
+# at 64 keys a tile, 0.178 at 128 (benchmarks/results/2026-11-29_h200_decode_attention_unmasked_tiles.json).
+MANY_ROWS = {"rows": 128, "warps": 8, "stages": 3, "block_n": 128}
 # Several query tokens in at most _MAX_ROWS rows (Qwen3-1.7B's rectification: 2 heads x 32 tokens) take one
 # more stage: H200, 32 tokens over 128K keys (bench_resa_kernels.py --sweep-rectify-launch), 0.151 -> 0.137 ms
 # a layer; no key tile, warp count or split count of the sweep did better. One token keeps _NUM_STAGES.
 _FEW_QUERY_STAGES = 3
 
 
-def launch_config(rows: int, head_dim: int, queries: int = 1) -> tuple[int, int, int]:
-    """(rows per program, warps, stages) for `rows` query rows (`queries` tokens) of one KV head."""
+def launch_config(rows: int, head_dim: int, queries: int = 1) -> tuple[int, int, int, int]:
+    """(rows per program, warps, stages, keys a tile) for `rows` query rows (`queries` tokens) of one KV head."""
     wide = head_dim > 128
     if rows <= (_MAX_ROWS // 2 if wide else _MAX_ROWS):
         stages = _FEW_QUERY_STAGES if queries > 1 else _NUM_STAGES
-        return max(16, triton.next_power_of_2(rows)), _NUM_WARPS, stages
+        return max(16, triton.next_power_of_2(rows)), _NUM_WARPS, stages, _BLOCK_N
     per_program = MANY_ROWS["rows"] // 2 if wide else MANY_ROWS["rows"]
-    return min(per_program, triton.next_power_of_2(rows)), MANY_ROWS["warps"], MANY_ROWS["stages"]
+    block_n = _BLOCK_N if wide else MANY_ROWS["block_n"]
+    return min(per_program, triton.next_power_of_2(rows)), MANY_ROWS["warps"], MANY_ROWS["stages"], block_n
+
+
+@triton.jit
+def _accumulate(acc, l_i, m_i, m_ref, p, v, DOT_PRECISION: tl.constexpr):
+    """One key tile into each row's running output and sum: p = exp2(score - m_ref) [ROWS, BLOCK_N], v [BLOCK_N, D];
+    the terms so far, relative to m_i, are rescaled to m_ref. Returns (acc, l_i)."""
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i
 
 
 # Integers that follow the document's length are not specialised on (Triton keys a compiled kernel on whether
@@ -56,7 +69,8 @@ def _decode_attention_fwd_kernel(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     N_QUERIES, GROUP: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_QFIRST: tl.constexpr, HAS_KEYMASK: tl.constexpr,
-    HAS_POSITION_MASK: tl.constexpr, POSITION_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    HAS_POSITION_MASK: tl.constexpr, POSITION_MASK: tl.constexpr, UNMASKED_PREFIX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0)
@@ -99,7 +113,22 @@ def _decode_attention_fwd_kernel(
     m_i = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS_PAD], dtype=tl.float32)
     acc = tl.zeros([ROWS_PAD, HEAD_DIM], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    masked_from = start
+    if UNMASKED_PREFIX:
+        # Whole tiles below the first query's position are seen by every row: no bounds or causal masks there,
+        # as flash attention skips them off the diagonal (a compare, an and and a select a score fewer).
+        masked_from = start + tl.maximum(tl.minimum(end, first + 1) - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, masked_from, BLOCK_N):
+            offs = n0 + offs_n
+            k = tl.load(k_base + offs[:, None] * stride_ks + offs_d[None, :])
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            v = tl.load(v_base + offs[:, None] * stride_vs + offs_d[None, :])
+            # Every score is finite here: the scale folds into the exponent's subtraction.
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+            acc, l_i = _accumulate(acc, l_i, m_i, m_new, p, v, DOT_PRECISION)
+            m_i = m_new
+    for n0 in range(masked_from, end, BLOCK_N):
         offs = n0 + offs_n
         # Masked loads never touch keys outside [kv_lo, end): garbage (even NaN) cannot reach the result.
         valid = (offs >= kv_lo) & (offs < end)
@@ -119,11 +148,9 @@ def _decode_attention_fwd_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row may see no key of a tile (causal or window edge): keep exp2 away from (-inf) - (-inf).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + offs[:, None] * stride_vs + offs_d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc, l_i = _accumulate(acc, l_i, m_i, m_safe, p, v, DOT_PRECISION)
         m_i = m_new
 
     # An empty split (no visible key in its range) writes out 0, lse -inf: it then weighs nothing in the merge.
@@ -224,7 +251,7 @@ def decode_attention_triton(
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
     num_splits = num_splits_for(B, Hkv, S, q.device)
-    rows_pad, num_warps, num_stages = launch_config(group * T, D, T)
+    rows_pad, num_warps, num_stages, block_n = launch_config(group * T, D, T)
     # Scratch from the caching allocator: inside a graph capture it comes from the graph's private pool.
     out_part = torch.empty(B * Hq * T, num_splits, D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B * Hq * T, num_splits, device=q.device, dtype=torch.float32)
@@ -240,9 +267,10 @@ def decode_attention_triton(
             q4.stride(0), q4.stride(1), q4.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             T, GROUP=group, ROWS_PAD=rows_pad, HEAD_DIM=D,
-            BLOCK_N=_BLOCK_N, HAS_WINDOW=window is not None, HAS_QFIRST=q_first is not None,
+            BLOCK_N=block_n, HAS_WINDOW=window is not None, HAS_QFIRST=q_first is not None,
             HAS_KEYMASK=key_mask is not None, HAS_POSITION_MASK=positions is not None,
             POSITION_MASK=None if positions is None else positions.rule.triton,
+            UNMASKED_PREFIX=T > 1 and window is None and mask is None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages,
         )
