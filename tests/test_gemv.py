@@ -21,7 +21,7 @@ def test_gemv_is_linear_off_the_kernels_path():
         assert torch.equal(gemv(x, w), F.linear(x, w)) and torch.equal(gemv(x, w, b), F.linear(x, w, b))
 
 
-@pytest.mark.parametrize("tile", ["default", "tuned"])
+@pytest.mark.parametrize("tile", ["default", "tuned", "tuned-4-warps"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("N,K", [(8, 512), (1000, 640), (2048, 2048), (12, 4097)], ids=lambda n: str(n))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
@@ -32,8 +32,8 @@ def test_gemv_triton_matches_fp32(monkeypatch, dtype, N, K, bias, tile):
     import kernels.gemv.triton as gemv_module
     from kernels.gemv.triton import gemv_triton
 
-    if tile == "tuned":
-        monkeypatch.setitem(gemv_module.TUNED, (N, K), (32, 256))
+    if tile != "default":
+        monkeypatch.setitem(gemv_module.TUNED, (N, K), (16, 256, 4) if tile.endswith("warps") else (32, 256, 8))
 
     if TRITON_DEVICE == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton's interpreter has no bfloat16")

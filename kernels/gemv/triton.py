@@ -20,10 +20,13 @@ from kernels._gdc import use_pdl
 from kernels._triton_common import check_device, launch_context
 
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 8, 512, 8, 3
-# (rows a program, K a step) by weight shape [N, K] where an H200 sweep (8, 16, 32 rows x 256, 512 of K, 4 or 8
-# warps) found another at least 10% faster than the default: the program count's waves over the SMs make the
-# best tile jump between neighbouring shapes, so measured shapes are listed rather than a rule guessed.
-TUNED = {(12288, 2048): (32, 256), (6144, 4096): (16, 512)}
+# (rows a program, K a step, warps) by weight shape [N, K] where an H200 sweep (8, 16, 32 rows x 256, 512 of K, 4
+# or 8 warps; benchmarks/results/2026-11-28_h200_decode_gemv.json) found another at least 3% faster than the
+# default: the program count's waves over the SMs make the best tile jump between neighbouring shapes, so measured
+# shapes are listed rather than a rule guessed. Qwen3-1.7B's gate/up: 14.65 -> 12.63 µs; Llama-3.1-8B's q/k/v
+# 16.02 -> 12.73, gate/up 57.07 -> 53.93, down 31.66 -> 30.35.
+TUNED = {(12288, 2048): (32, 256, 8), (6144, 4096): (16, 512, 8), (28672, 4096): (16, 256, 4),
+         (4096, 14336): (32, 512, 8)}
 
 
 @triton.jit
@@ -62,11 +65,11 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     for name, t in (("x", x), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
         check_device(name, t, weight.device)
     y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
-    rows, step = TUNED.get((N, K), (BLOCK_N, BLOCK_K))
+    rows, step, warps = TUNED.get((N, K), (BLOCK_N, BLOCK_K, NUM_WARPS))
     pdl = use_pdl(weight.device)
     with launch_context(weight.device):
         _gemv_fwd_kernel[(triton.cdiv(N, rows),)](
             x, weight, bias if bias is not None else weight, y, N, K, HAS_BIAS=bias is not None, BLOCK_N=rows,
-            BLOCK_K=step, PDL=pdl, launch_pdl=pdl, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            BLOCK_K=step, PDL=pdl, launch_pdl=pdl, num_warps=warps, num_stages=NUM_STAGES,
         )
     return y
