@@ -30,6 +30,19 @@ def make_cache(B, Hkv, S, D, lengths, dtype=torch.float32, device="cpu"):
     return k, v
 
 
+def assert_triton_decode_matches_reference(q, k, v, length, **options) -> None:
+    """The Triton kernel's output and log-sum-exp against the fp32 reference's, with the same options (window,
+    q_first, mask); no NaN (the caches hold NaN past each length)."""
+    from kernels.decode_attention.triton import decode_attention_triton
+
+    scale = q.shape[-1] ** -0.5
+    out, lse = decode_attention_triton(q, k, v, length, scale=scale, return_lse=True, **options)
+    ref, ref_lse = decode_reference(q.float(), k.float(), v.float(), length, scale=scale, return_lse=True, **options)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
 def naive_decode(q, k, v, lengths, scale, window=None):
     """Per-sequence fp64 attention of the last valid position: (out [B, Hq, D], lse [B, Hq])."""
     B, Hq, D = q.shape
@@ -377,19 +390,11 @@ def test_q_first_past_a_window_gives_an_empty_shard():
 @pytest.mark.gpu
 def test_decode_triton_q_first_matches_reference(T, first, window):
     """A context shard (keys [0, 5000)) seen by queries at later indices, as star's context ranks do."""
-    from kernels.decode_attention.triton import decode_attention_triton
-
     B, Hq, Hkv, D, n = 1, 32, 8, 128, 5000
     q = torch.randn(B, Hq, T, D, device="cuda", dtype=torch.bfloat16)
     k, v = make_cache(B, Hkv, n + 100, D, [n], dtype=torch.bfloat16, device="cuda")
     length, q_first = torch.tensor([n], device="cuda"), torch.tensor([first], device="cuda")
-    out, lse = decode_attention_triton(q, k, v, length, scale=D**-0.5, window=window, return_lse=True,
-                                       q_first=q_first)
-    ref, ref_lse = decode_reference(q.float(), k.float(), v.float(), length, scale=D**-0.5, window=window,
-                                    return_lse=True, q_first=q_first)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    assert_triton_decode_matches_reference(q, k, v, length, window=window, q_first=q_first)
 
 
 @pytest.mark.parametrize("T", [17, 32, 33], ids=lambda t: f"T{t}")
@@ -398,47 +403,33 @@ def test_decode_triton_q_first_matches_reference(T, first, window):
 def test_decode_triton_many_rows_matches_reference(shape, T):
     """Rectification's shape: G x T query rows per KV head over the many-rows launch config (128 rows a program
     at head_dim <= 128, 64 at 256; a partial last program at T 33), causal among the new tokens."""
-    from kernels.decode_attention.triton import decode_attention_triton
-
     Hq, Hkv, D = shape
     n = 3001
     q = torch.randn(1, Hq, T, D, device="cuda", dtype=torch.bfloat16)
     k, v = make_cache(1, Hkv, n + 50, D, [n], dtype=torch.bfloat16, device="cuda")
     length = torch.tensor([n], device="cuda")
-    out, lse = decode_attention_triton(q, k, v, length, scale=D**-0.5, return_lse=True)
-    ref, ref_lse = decode_reference(q.float(), k.float(), v.float(), length, scale=D**-0.5, return_lse=True)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    assert_triton_decode_matches_reference(q, k, v, length)
 
 
-# The first query's position one before, at and one past a 64- and a 128-key tile's edge, and a query block past
-# the keys (star's context ranks: q_first beyond length).
-@pytest.mark.parametrize("case", [(4094, None), (4095, None), (4096, None), (1000, 5000)],
-                         ids=lambda c: f"first{c[0]}-qfirst{c[1]}")
+# The first query's position one before, at and one past a 64- and a 128-key tile's edge; and queries at 5000 over
+# a context shard of 1000 keys (star's context ranks: q_first past the length).
+@pytest.mark.parametrize("first,shard", [(4094, None), (4095, None), (4096, None), (5000, 1000)],
+                         ids=["first4094", "first4095", "first4096", "first5000-shard1000"])
 @pytest.mark.parametrize("group", [2, 4], ids=lambda g: f"G{g}")
 @pytest.mark.triton
-def test_decode_triton_unmasked_whole_tiles_stop_at_the_first_query(case, group):
+def test_decode_triton_unmasked_whole_tiles_stop_at_the_first_query(first, shard, group):
     """Several query tokens: whole tiles of keys below the first query's position run without masks. Each row
     stays causal at its own position, and no key at or past a length (NaN there) reaches the result."""
-    from kernels.decode_attention.triton import decode_attention_triton
-
     device = TRITON_DEVICE
-    first, q_first = case
     T, Hkv, D = 32, 2, 64
-    n = first + T if q_first is None else first
+    n = first + T if shard is None else shard
     q = torch.randn(1, Hkv * group, T, D, device=device, dtype=torch.float16)
     k, v = make_cache(1, Hkv, n + 77, D, [n], dtype=torch.float16, device=device)
     # Keys past the first query carry large values: one seen a row too early moves that row's output by ~0.2.
     v[:, :, first + 1:n] = 1000.0
     length = torch.tensor([n], device=device)
-    q_first_t = None if q_first is None else torch.tensor([q_first], device=device)
-    out, lse = decode_attention_triton(q, k, v, length, scale=D**-0.5, q_first=q_first_t, return_lse=True)
-    ref, ref_lse = decode_reference(q.float(), k.float(), v.float(), length, scale=D**-0.5, q_first=q_first_t,
-                                    return_lse=True)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    q_first = None if shard is None else torch.tensor([first], device=device)
+    assert_triton_decode_matches_reference(q, k, v, length, q_first=q_first)
 
 
 def test_key_mask_equals_attention_over_the_kept_keys():
@@ -461,20 +452,13 @@ def test_key_mask_equals_attention_over_the_kept_keys():
 @pytest.mark.parametrize("D", [128, 256], ids=lambda d: f"D{d}")
 @pytest.mark.gpu
 def test_decode_triton_key_mask_matches_reference(D, heads, S):
-    from kernels.decode_attention.triton import decode_attention_triton
-
     Hq, Hkv = heads
     q = torch.randn(1, Hq, D, device="cuda", dtype=torch.bfloat16)
     k, v = make_cache(1, Hkv, S, D, [S], dtype=torch.bfloat16, device="cuda")
     keep = torch.rand(1, Hkv, S, device="cuda") < 0.5
     keep[:, 0, :] = False  # a head that sees nothing: out 0, lse -inf
     length = torch.tensor([S], device="cuda")
-    out, lse = decode_attention_triton(q, k, v, length, scale=D**-0.5, return_lse=True, mask=keep)
-    ref, ref_lse = decode_reference(q.float(), k.float(), v.float(), length, scale=D**-0.5, return_lse=True,
-                                    mask=keep)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    assert_triton_decode_matches_reference(q, k, v, length, mask=keep)
 
 
 def test_flex_compiles_only_where_it_pays():
