@@ -78,11 +78,16 @@ class ResaKVLayer(StaticKVLayer):
 
 class ResaKVCache(StaticKVCache):
     layer_class = ResaKVLayer
+    # Where the rule keeps every block at every length the cache can reach (up to min_blocks blocks, or keep_ratio
+    # 1), decode steps attend with the dense kernel, with no selection and no rectification: the same attention,
+    # without reading the descriptors. Tests turn it off to run the sparse kernels over every block.
+    dense_when_every_block_kept = True
 
     def __init__(self, config, capacity: int, resa: ResaConfig):
         self.block_size, self.rule, self.descriptor_dtype = resa.block_size, resa.rule, resa.descriptor_dtype
         # Static selection width: the blocks kept at full capacity (never fewer than at any shorter length).
         self.width = self.rule.keep(cdiv(capacity, resa.block_size))
+        self.every_block_kept = self.dense_when_every_block_kept and self.width >= cdiv(capacity, resa.block_size)
         self.timed = False  # CPU: time estimation and sparse attention (synchronous there)
         self.times = {"estimation_s": 0.0, "sparse_attention_s": 0.0}
         super().__init__(config, capacity)
@@ -151,9 +156,10 @@ class ResaEngine(Engine):
             if not layer.is_sliding:
                 _describe(layer, key, length, n_new, longctx.block_size)
             return out.transpose(1, 2), None
-        if layer.is_sliding or n_new > 1:
-            # Exact layers, and the rectification pass (n_new tokens re-encoded densely).
-            if not layer.is_sliding:
+        if layer.is_sliding or n_new > 1 or longctx.every_block_kept:
+            # Exact layers, the rectification pass (n_new tokens re-encoded densely), and every layer while every
+            # block is kept. A decode step's one token refreshed its block's descriptors with its K/V write.
+            if not layer.is_sliding and n_new > 1:
                 _describe(layer, key, length, n_new, longctx.block_size)
             out = decode_attention(query, key, value, length, scale=scaling, window=sliding_window)
             return out.transpose(1, 2), None
@@ -189,9 +195,12 @@ class ResaEngine(Engine):
 
     def kv_read_bytes(self, model_config, n_tokens: int, dtype_bytes: int) -> int:
         """Per decode step: kept blocks + descriptors on covered layers, windows elsewhere, plus 1/f of the
-        dense rectification pass over the whole cache (amortised)."""
+        dense rectification pass over the whole cache (amortised). Where every block is kept, dense's bytes
+        (ResaKVCache.every_block_kept, with n_tokens for the cache's capacity)."""
         block, every = self.config.block_size, self.config.rectify_every
         n_blocks = cdiv(n_tokens, block)
+        if ResaKVCache.dense_when_every_block_kept and self.config.rule.keep(n_blocks) >= n_blocks:
+            return Engine.kv_read_bytes(model_config, n_tokens, dtype_bytes)
         kept = min(n_tokens, self.config.rule.keep(n_blocks) * block)
         sparse = kept + (n_tokens // every if every else 0)  # token equivalents per covered layer
         token = kv_token_bytes(model_config, dtype_bytes)
@@ -206,7 +215,8 @@ class ResaEngine(Engine):
     def _on_decode_start(self, state: ResaState) -> None:
         f = self.config.rectify_every
         rectify = None
-        if f and state.position + f <= state.cache.capacity:
+        # Decoding every block densely, the steps write the K/V a rectification would: none is needed.
+        if f and state.position + f <= state.cache.capacity and not state.cache.every_block_kept:
             cache = state.cache
             use_graph = self.run.decode_graph and self.single_device and self.device.type == "cuda"
             segments = self._segmented_run()  # a model split over GPUs: a graph per device
@@ -307,9 +317,13 @@ class ResaEngine(Engine):
         rectify_s = state.rectify_s + sum(b.elapsed_time(e) for b, e in state.rectify_events) / 1000
         n_blocks = cdiv(state.position, self.config.block_size)
         kept = self.config.rule.keep(n_blocks)
-        if kept >= n_blocks:
+        if state.cache.every_block_kept:
+            out["resa_decode"] = (f"dense: every block kept up to the cache's {state.cache.width} blocks (min_blocks "
+                                  f"{self.config.min_blocks}, keep_ratio {self.config.keep_ratio}): the dense decode "
+                                  f"kernel, no selection, no rectification")
+        elif kept >= n_blocks:
             out["resa_decode"] = (f"dense: every block kept ({n_blocks} blocks; min_blocks {self.config.min_blocks}, "
-                                  f"keep_ratio {self.config.keep_ratio})")
+                                  f"keep_ratio {self.config.keep_ratio}), through the selection and sparse kernels")
         out.update(decode_steps=state.steps, blocks_kept_last_step=kept, blocks_total_last_step=n_blocks,
                    kv_fraction_read=round(state.kept_tokens / state.context_tokens, 4),
                    rectifications=state.rectifications, rectification_s=round(rectify_s, 4))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines.resa import ResaKVCache
 from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors_reference
 from longctx_cli.errors import ConfigError
@@ -16,10 +17,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.long
 @pytest.mark.parametrize("centroid", [False, True], ids=["bound", "centroid"])
-def test_keep_ratio_one_equals_dense_token_for_token(lm, story_text, centroid):
-    """Every block kept: the sparse path (select, sparse kernel, rectification) must reproduce dense exactly. The
-    default tier runs the shipped rule's case in test_engine_contract (keep_ratio 1.0, without rectification)
-    and rectification in test_rectification_rewrites_exact_kv_and_descriptors."""
+def test_keep_ratio_one_equals_dense_token_for_token(lm, story_text, centroid, monkeypatch):
+    """Every block kept, through the sparse path (select, sparse kernel, rectification; the dense kernel's
+    shortcut turned off): it must reproduce dense exactly. The default tier runs the sparse kernels over every
+    block in test_short_document_is_exactly_dense and rectification in
+    test_rectification_rewrites_exact_kv_and_descriptors."""
+    monkeypatch.setattr(ResaKVCache, "dense_when_every_block_kept", False)
     doc, question = story_ids(lm, story_text, 1500)
     dense, _ = greedy_answer(make_engine(lm, "dense", chunk_size=512), doc, question, 20)
     resa, state = greedy_answer(make_engine(lm, "resa", chunk_size=512, keep_ratio=1.0, rectify_every=8,
@@ -33,16 +36,24 @@ def test_keep_ratio_one_equals_dense_token_for_token(lm, story_text, centroid):
 SPARSE = {"min_blocks": 16}
 
 
+@pytest.mark.parametrize("kernel", ["dense", "sparse"], ids=["dense-kernel", "sparse-kernels"])
 @pytest.mark.parametrize("n, settings", [pytest.param(200, SPARSE, id="paper-floor-200"),
                                          pytest.param(1500, {}, id="shipped-floor-1500", marks=pytest.mark.long)])
-def test_short_document_is_exactly_dense(lm, story_text, n, settings):
-    """Up to min_blocks blocks every block is kept, and the report says the decode was dense."""
+def test_short_document_is_exactly_dense(lm, story_text, n, settings, kernel, monkeypatch):
+    """Up to min_blocks blocks every block is kept, and the report says the decode was dense: through the dense
+    decode kernel with no selection and no rectification, or (turned off) the selection and sparse kernels
+    over every block with their rectifications: dense's tokens either way."""
+    monkeypatch.setattr(ResaKVCache, "dense_when_every_block_kept", kernel == "dense")
     doc, question = story_ids(lm, story_text, n)
     dense, _ = greedy_answer(make_engine(lm, "dense"), doc, question, 12)
-    engine = make_engine(lm, "resa", **settings)
+    engine = make_engine(lm, "resa", rectify_every=4, **settings)
     resa, state = greedy_answer(engine, doc, question, 12)
     assert resa == dense
-    assert engine.counters(state)["resa_decode"].startswith("dense: every block kept")
+    counters = engine.counters(state)
+    assert counters["resa_decode"].startswith("dense: every block kept")
+    assert counters["rectifications"] == (0 if kernel == "dense" else 11 // 4)
+    assert (counters["estimation_s"] == 0) == (kernel == "dense")
+    assert ("no selection" in counters["resa_decode"]) == (kernel == "dense")
 
 
 class _EagerReplay:
@@ -78,6 +89,18 @@ def test_steps_launched_ahead_give_the_plain_loops_tokens(lm, story_text):
     first = [next(stream) for _ in range(5)]
     stream.close()
     assert first == plain[:5] and state.position == start + question.numel() + 5
+
+
+def test_bytes_a_step_are_denses_where_every_block_is_kept(lm):
+    """The roofline's bytes: dense's up to the floor (the dense kernel, no descriptors, no rectification), and
+    below dense's past it."""
+    from engines.base import Engine
+
+    engine = make_engine(lm, "resa", **SPARSE)
+    config, floor = lm.model.config, 16 * 16
+    for n in (100, floor):
+        assert engine.kv_read_bytes(config, n, 4) == Engine.kv_read_bytes(config, n, 4)
+    assert engine.kv_read_bytes(config, 40 * floor, 4) < Engine.kv_read_bytes(config, 40 * floor, 4)
 
 
 def test_sparse_decoding_reads_a_tenth_and_answers(lm, story_text):
@@ -190,3 +213,21 @@ def test_gpu_graph_decode_equals_eager(centroid):
         outs[graph], state = greedy_answer(engine, doc, question, 40)
         assert engine.counters(state)["rectifications"] == 39 // 8
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+def test_gpu_every_block_kept_decodes_like_dense():
+    """On CUDA, captured steps (random Qwen3 shape, bf16): under the shipped floor resa decodes with dense's
+    kernel and gives dense's tokens, with no rectification."""
+    from longctx_cli.models import load_model
+
+    lm = load_model("random:qwen3-1.7b", device="cuda", dtype="bfloat16")
+    gen = torch.Generator().manual_seed(0)
+    doc = torch.randint(1000, lm.config.vocab_size, (3000,), generator=gen)
+    question = torch.randint(1000, lm.config.vocab_size, (9,), generator=gen)
+    dense, _ = greedy_answer(make_engine(lm, "dense"), doc, question, 40)
+    engine = make_engine(lm, "resa")
+    resa, state = greedy_answer(engine, doc, question, 40)
+    assert resa == dense
+    counters = engine.counters(state)
+    assert counters["rectifications"] == 0 and "no selection" in counters["resa_decode"]
