@@ -13,6 +13,8 @@
   dense pass (kernels/decode_attention with T queries) that overwrites their K/V and descriptors; no logits are
   computed (no final norm, no LM head). On GPU both the decode step and the rectification step are captured
   CUDA graphs.
+- Where the rule keeps every block at every length the cache can reach (a document and its answer under the
+  floor), decode steps attend with the dense kernel: no selection and no rectification, as `dense` decodes.
 """
 
 from __future__ import annotations
