@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engines.decoding import Sampler
+from engines.resa import ResaKVCache
 from longctx_cli.models import LoadedModel, load_model
 from longctx_cli.split import dispatch, layer_split
 from tests.conftest import make_engine
@@ -26,6 +27,13 @@ RUNS = [("dense", {}), ("resa", {"rectify_every": 8}),
         ("sas-pattern", {"pattern": "Rect(keys=0:64) + Diag(window=1024)"}),
         ("ltri-stream", {"n_init": 64, "block_size": 64, "top_k": 4, "n_local": 1024}),
         ("star", {"min_block_size": 1024})]
+
+
+@pytest.fixture(autouse=True)
+def _resa_selects(monkeypatch):
+    """resa's selection, sparse kernels and rectification graphs on the split model: under the shipped floor these
+    documents keep every block, where resa would otherwise decode with dense's kernel."""
+    monkeypatch.setattr(ResaKVCache, "dense_when_every_block_kept", False)
 
 
 @pytest.fixture(scope="module")
