@@ -61,9 +61,12 @@ class ResaKVLayer(StaticKVLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """A decode step's one new token on a full-attention layer: K/V written and its block's descriptors
-        refreshed in one launch; anything else as the static layer does (the attention describes it)."""
+        refreshed in one launch; anything else as the static layer does (the attention describes it). While every
+        block is kept nothing reads the descriptors: the step writes K/V only (the checkpoint's restore brings the
+        answer's blocks back)."""
         owner = self.owner
-        if not (owner.decoding and self.is_initialized and not self.is_sliding and key_states.shape[2] == 1):
+        if not (owner.decoding and self.is_initialized and not self.is_sliding and key_states.shape[2] == 1) \
+                or owner.every_block_kept:
             return super().update(key_states, value_states, *args, **kwargs)
         append_kv(self.keys, self.values, key_states, value_states, owner.position_on(self.device),
                   descriptors=(self.kmax, self.kmin, None), length=owner.length_on(self.device),
@@ -160,7 +163,8 @@ class ResaEngine(Engine):
             return out.transpose(1, 2), None
         if layer.is_sliding or n_new > 1 or longctx.every_block_kept:
             # Exact layers, the rectification pass (n_new tokens re-encoded densely), and every layer while every
-            # block is kept. A decode step's one token refreshed its block's descriptors with its K/V write.
+            # block is kept (no descriptor reads then). Otherwise a decode step's token refreshed its block's
+            # descriptors with its K/V write.
             if not layer.is_sliding and n_new > 1:
                 _describe(layer, key, length, n_new, longctx.block_size)
             out = decode_attention(query, key, value, length, scale=scaling, window=sliding_window)
