@@ -131,6 +131,8 @@ class StaticKVCache(Cache):
         self.compile_windows = True  # FlexAttention for windowed layers (Engine.prefill decides per document)
         self.prefill_graphs = False  # the prefill replayed the layers' norms and MLPs as CUDA graphs
         self.positions = None  # engines/positions.py Positions where RoPE positions are re-assigned
+        # A pass that reads nothing but the K/V it writes (Engine._write_kv) ends once this layer's are written.
+        self.kv_only_until: int | None = None
         self._position: dict[torch.device, torch.Tensor] = {}
         self._length: dict[torch.device, torch.Tensor] = {}
         # Devices whose layers replay captured graphs of their own (a model split over GPUs, engines/segments.py):

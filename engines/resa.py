@@ -11,20 +11,21 @@
   stay exact: they already read only their window.
 - Rectification: every `rectify_every` decoded tokens, those tokens go through the decoder layers again in one
   dense pass (kernels/decode_attention with T queries) that overwrites their K/V and descriptors; no logits are
-  computed (no final norm, no LM head). On GPU both the decode step and the rectification step are captured
-  CUDA graphs.
+  computed (no final norm, no LM head), and the pass ends once the last layer's K/V are written (its attention
+  and MLP feed nothing). On GPU both the decode step and the rectification step are captured CUDA graphs.
 - Where the rule keeps every block at every length the cache can reach (a document and its answer under the
   floor), decode steps attend with the dense kernel: no selection and no rectification, as `dense` decodes.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from engines.base import DocumentState, Engine
+from engines.base import DocumentState, Engine, KVWritten
 from engines.config import ResaConfig
 from engines.cache import StaticKVCache, StaticKVLayer, full_layers, kv_token_bytes, layer_types
 from engines.decoding import StaticForward
@@ -167,6 +168,8 @@ class ResaEngine(Engine):
             # descriptors with its K/V write.
             if not layer.is_sliding and n_new > 1:
                 _describe(layer, key, length, n_new, longctx.block_size)
+            if module.layer_idx == longctx.kv_only_until:
+                raise KVWritten
             out = decode_attention(query, key, value, length, scale=scaling, window=sliding_window)
             return out.transpose(1, 2), None
         # The new key's block descriptors were refreshed with its K/V write (ResaKVLayer.update).
@@ -227,9 +230,9 @@ class ResaEngine(Engine):
             use_graph = self.run.decode_graph and self.single_device and self.device.type == "cuda"
             segments = self._segmented_run()  # a model split over GPUs: a graph per device
             # The decode step's modules (compiled ones compile once more, for f tokens).
-            rectify = StaticForward(lambda ids, pos: self._write_kv(cache, ids, pos), cache, f, self.device,
-                                    use_graph, self._decode_blocks(use_graph or segments is not None,
-                                                                   self.run.compile_decode), segments)
+            write = functools.partial(self._write_kv, cache, stop_early=segments is None)
+            blocks = self._decode_blocks(use_graph or segments is not None, self.run.compile_decode)
+            rectify = StaticForward(write, cache, f, self.device, use_graph, blocks, segments)
             # Captured now, not at the first rectification, so that it never lands inside timed decoding;
             # its scratch writes go to slots the decode steps overwrite before reading them.
             rectify.capture(state.position)

@@ -142,10 +142,22 @@ def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
     # rectify_every=16, none with 0.
     targets = doc[1:18].tolist()
     states = {}
+    # Tokens the first and the last layer's MLP saw while decoding: the rectification's pass ends once the last
+    # layer's K/V are written, so that layer's MLP never sees its 16 tokens.
+    seen = {0: [], -1: []}
     for every in (16, 0):
         engine = make_engine(lm, "resa", rectify_every=every, **SPARSE)
         states[every] = engine.prefill(doc, reserve=question.numel() + len(targets))
-        engine.teacher_forced_nll(states[every], question, targets)
+        cache = states[every].cache
+        layers = engine.model.get_decoder().layers
+        hooks = [layers[i].mlp.register_forward_hook(
+            lambda m, args, out, i=i: seen[i].append(args[0].shape[1]) if cache.decoding else None) for i in seen]
+        try:
+            engine.teacher_forced_nll(states[every], question, targets)
+        finally:
+            for hook in hooks:
+                hook.remove()
+    assert 16 in seen[0] and 16 not in seen[-1] and 1 in seen[-1], seen
     state = states[16]
     assert engine.counters(state)["rectifications"] == 1 and engine.counters(states[0])["rectifications"] == 0
     start = doc.numel() + question.numel()
@@ -154,9 +166,9 @@ def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
     for every, st in states.items():
         worst = 0.0
         for layer, ref in zip(st.cache.layers, dense.layers):
-            got = layer.keys[:, :, start:start + 16]
-            want = ref.keys[:, :, start:start + 16]
-            worst = max(worst, (got - want).abs().max().item() / want.abs().max().item())
+            for got, want in ((layer.keys, ref.keys), (layer.values, ref.values)):
+                got, want = got[:, :, start:start + 16], want[:, :, start:start + 16]
+                worst = max(worst, (got - want).abs().max().item() / want.abs().max().item())
         errors[every] = worst
     assert errors[16] < 1e-4, errors
     assert errors[0] > 1e-3, errors
