@@ -301,7 +301,7 @@ def sweep_rectify_launch(lengths: list[int]) -> list[dict]:
                             values = dict(zip(names, (block_n, per_sm, warps, stages)))
                             for name, value in values.items():
                                 setattr(dec, name, value)
-                            dec.MANY_ROWS.update(warps=warps, stages=stages, block_n=block_n)
+                            dec.MANY_ROWS.update(warps=warps, stages=stages, block_n=block_n, programs_per_sm=per_sm)
                             try:
                                 err = (fn().float() - expected).abs().max().item()
                                 with torch.cuda.stream(torch.cuda.Stream()):

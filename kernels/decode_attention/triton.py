@@ -32,22 +32,28 @@ _MAX_ROWS = 64
 # (benchmarks/bench_resa_kernels.py --sweep-rectify): Llama-8B's 128 rows 0.232 ms a layer, against 0.379 as two
 # programs of 64 rows each re-reading the keys; Gemma 3's 0.134 vs 0.209. With whole tiles unmasked, H200: 0.188
 # at 64 keys a tile, 0.178 at 128 (benchmarks/results/2026-11-29_h200_decode_attention_unmasked_tiles.json).
-MANY_ROWS = {"rows": 128, "warps": 8, "stages": 3, "block_n": 128}
+# At head_dim >= 128 such a program fills an SM's shared memory (three stages of K and V tiles), so the programs
+# come in one wave, one an SM: a second wave only doubles the splits the merge reads and writes. H200, Llama-8B's
+# 128 rows over 128K keys: 0.172 ms a layer against 0.180 in two waves
+# (benchmarks/results/2026-11-29_h200_decode_attention_rectify_one_wave.json).
+MANY_ROWS = {"rows": 128, "warps": 8, "stages": 3, "block_n": 128, "programs_per_sm": 1}
 # Several query tokens in at most _MAX_ROWS rows (Qwen3-1.7B's rectification: 2 heads x 32 tokens) take one
 # more stage: H200, 32 tokens over 128K keys (bench_resa_kernels.py --sweep-rectify-launch), 0.151 -> 0.137 ms
 # a layer; no key tile, warp count or split count of the sweep did better. One token keeps _NUM_STAGES.
 _FEW_QUERY_STAGES = 3
 
 
-def launch_config(rows: int, head_dim: int, queries: int = 1) -> tuple[int, int, int, int]:
-    """(rows per program, warps, stages, keys a tile) for `rows` query rows (`queries` tokens) of one KV head."""
+def launch_config(rows: int, head_dim: int, queries: int = 1) -> tuple[int, int, int, int, int]:
+    """(rows per program, warps, stages, keys a tile, programs an SM) for `rows` query rows (`queries` tokens) of
+    one KV head."""
     wide = head_dim > 128
     if rows <= (_MAX_ROWS // 2 if wide else _MAX_ROWS):
         stages = _FEW_QUERY_STAGES if queries > 1 else _NUM_STAGES
-        return max(16, triton.next_power_of_2(rows)), _NUM_WARPS, stages, _BLOCK_N
+        return max(16, triton.next_power_of_2(rows)), _NUM_WARPS, stages, _BLOCK_N, _PROGRAMS_PER_SM
     per_program = MANY_ROWS["rows"] // 2 if wide else MANY_ROWS["rows"]
     block_n = _BLOCK_N if wide else MANY_ROWS["block_n"]
-    return min(per_program, triton.next_power_of_2(rows)), MANY_ROWS["warps"], MANY_ROWS["stages"], block_n
+    per_sm = MANY_ROWS["programs_per_sm"] if head_dim >= 128 else _PROGRAMS_PER_SM
+    return min(per_program, triton.next_power_of_2(rows)), MANY_ROWS["warps"], MANY_ROWS["stages"], block_n, per_sm
 
 
 @triton.jit
@@ -163,13 +169,14 @@ def _decode_attention_fwd_kernel(
     tl.store(Lse_part + rows, lse, mask=row_ok)
 
 
-def num_splits_for(batch: int, n_kv_heads: int, capacity: int, device: torch.device) -> int:
-    """Splits per (batch, kv head): _PROGRAMS_PER_SM programs per SM, no more splits than tiles in the buffer,
-    rounded down to a power of two (a few values over all lengths: the merge kernel's shapes stay few).
+def num_splits_for(batch: int, n_kv_heads: int, capacity: int, device: torch.device,
+                   programs_per_sm: int = _PROGRAMS_PER_SM, row_programs: int = 1) -> int:
+    """Splits per (batch, kv head, block of rows): `programs_per_sm` programs per SM, no more splits than tiles in
+    the buffer, rounded down to a power of two (a few values over all lengths: the merge kernel's shapes stay few).
 
     Depends on shapes and the device only (never on `length`), so a captured graph stays valid.
     """
-    target = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), batch * n_kv_heads)
+    target = triton.cdiv(programs_per_sm * sm_count(device), batch * n_kv_heads * row_programs)
     most = max(1, min(target, triton.cdiv(capacity, _BLOCK_N), _MAX_SPLITS))
     return 1 << (most.bit_length() - 1)
 
@@ -250,14 +257,15 @@ def decode_attention_triton(
     B, Hq, T, D = q4.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
-    num_splits = num_splits_for(B, Hkv, S, q.device)
-    rows_pad, num_warps, num_stages, block_n = launch_config(group * T, D, T)
+    rows_pad, num_warps, num_stages, block_n, per_sm = launch_config(group * T, D, T)
+    row_programs = triton.cdiv(group * T, rows_pad)
+    num_splits = num_splits_for(B, Hkv, S, q.device, per_sm, row_programs)
     # Scratch from the caching allocator: inside a graph capture it comes from the graph's private pool.
     out_part = torch.empty(B * Hq * T, num_splits, D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B * Hq * T, num_splits, device=q.device, dtype=torch.float32)
     pdl = use_pdl(q.device)
     with launch_context(q.device):
-        _decode_attention_fwd_kernel[(B * Hkv, num_splits, triton.cdiv(group * T, rows_pad))](
+        _decode_attention_fwd_kernel[(B * Hkv, num_splits, row_programs)](
             q4, k_cache, v_cache, length, length if q_first is None else q_first,
             length if key_mask is None else key_mask.view(torch.uint8),
             length if key_pos is None else key_pos, length if q_pos is None else q_pos, out_part, lse_part,
