@@ -11,6 +11,10 @@ the model's own modules and its chunk shapes):
   runs one GEMV per group. The step's projections (the fused groups, the attention's output and the MLP's down
   projection) run through kernels/gemv: on CUDA a Triton GEMV that streams the weight rows at more of the memory
   bandwidth than cuBLAS's one-row GEMMs (H200: Qwen3-1.7B's four 40.4 -> 31.5 us a layer, benchmarks/README.md).
+- Norms folded into the GEMVs (with fused projections, on the Llama, Mistral and Qwen families' layers): the
+  RMSNorm before q/k/v and the one before gate/up feed nothing but those projections, so the GEMV computes the
+  row's RMS itself (kernels/gemv's `norm`) and the norm module passes its input through. The norm's own kernel
+  and the gap before the GEMV go, two a layer. Gemma 3's norms (1 + weight, another rounding) keep their module.
 - Compiled blocks (run key `compile_decode`, off): the MLPs (with fused projections, their activation * up
   alone) and norms under torch.compile with static shapes.
   Inductor fuses each RMSNorm (6-8 kernels) and the MLP's activation * up into one (H100, random 8B at 4K:
@@ -32,10 +36,12 @@ import weakref
 
 import torch
 
-from kernels.gemv import gemv, gemv_backend
+from kernels.gemv import gemv, gemv_backend, rms_norm
 
 _COMPILED_SUFFIXES = ("MLP", "RMSNorm")
 _COMPILED_FUNCTIONS = ("apply_rotary_pos_emb",)  # looked up in the attention class's module at call time
+# Decoder layers whose input_layernorm feeds only the attention's q/k/v and post_attention_layernorm only the MLP.
+_NORM_INTO_PROJECTIONS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 # Fused weight buffers, per projecting module (attention or MLP), shared by every engine on the model.
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -74,11 +80,12 @@ class _SharedGEMV:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bounds: list):
         self.weight, self.bias, self.bounds = weight, bias, bounds
+        self.norm: tuple[torch.Tensor, float] | None = None  # the RMSNorm folded in (weight, eps), see _Passed
         self.x = self.y = None
 
     def columns(self, x: torch.Tensor, part: int) -> torch.Tensor:
         if x is not self.x:
-            self.x, self.y = x, gemv(x, self.weight, self.bias)
+            self.x, self.y = x, gemv(x, self.weight, self.bias, self.norm if _one_row(x) else None)
         start, stop = self.bounds[part]
         return self.y[..., start:stop]
 
@@ -115,6 +122,7 @@ class GatedMLP(torch.nn.Module):
         super().__init__()
         self.act_fn, self.down = mlp.act_fn, Projection(mlp.down_proj)
         self.weight, self.bias = weight, bias
+        self.norm: tuple[torch.Tensor, float] | None = None  # the RMSNorm folded in (weight, eps), see _Passed
         self.gate = self._gate
 
     def _gate(self, both: torch.Tensor) -> torch.Tensor:
@@ -125,7 +133,35 @@ class GatedMLP(torch.nn.Module):
         self.gate = torch.compile(self._gate, dynamic=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate(gemv(x, self.weight, self.bias)))
+        return self.down(self.gate(gemv(x, self.weight, self.bias, self.norm if _one_row(x) else None)))
+
+
+def _one_row(x: torch.Tensor) -> bool:
+    return x.numel() == x.shape[-1]
+
+
+class _Passed(torch.nn.Module):
+    """An RMSNorm folded into the projection after it: one row (a decode step) passes through and the projection
+    normalises it; several rows (a rectification's tokens) are normalised here, by `norm` (the model's module or
+    its compiled form), as the projection then expects."""
+
+    def __init__(self, norm: torch.nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if _one_row(x) else self.norm(x)
+
+
+def _llama_norm(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
+    """(weight, eps) if `norm` computes reference.rms_norm (checked bit for bit on a random row), else None."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
+        return None
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(1, 1, weight.numel(), generator=gen, device=weight.device).mul(3).to(weight.dtype)
+    with torch.no_grad():
+        return (weight, eps) if torch.equal(norm(x), rms_norm(x, weight, eps)) else None
 
 
 def _gated_mlp(mlp: torch.nn.Module) -> GatedMLP | None:
@@ -173,11 +209,34 @@ class DecodeBlocks:
                     self._compile_norms(child)  # Qwen 3's and Gemma 3's per-head q_norm and k_norm
                 if replacement is not child:
                     self.slots.append((layer, name, child, replacement))
+            if fuse:
+                self._fold_norms(layer)
         if compile:
             self._compile_norms(model.get_decoder())  # the final norm, once per step
         # For the report: what the swapped-in projections run (none swapped: the model's own Linear modules).
         device = next(model.parameters()).device
         self.projections = gemv_backend(device) if self.fused else "torch linear"
+
+    def _fold_norms(self, layer: torch.nn.Module) -> None:
+        """Fold the layer's two norms into the fused GEMVs they feed (_NORM_INTO_PROJECTIONS' layers only)."""
+        if type(layer).__name__ not in _NORM_INTO_PROJECTIONS:
+            return
+        swapped = {(parent, name): replacement for parent, name, _, replacement in self.slots}
+        attention = getattr(layer, "self_attn", None)
+        q_part = swapped.get((attention, "q_proj"))
+        targets = {"input_layernorm": q_part.shared if isinstance(q_part, _Part) else None,
+                   "post_attention_layernorm": swapped.get((layer, "mlp"))}
+        for name, target in targets.items():
+            norm = getattr(layer, name, None)
+            params = _llama_norm(norm) if isinstance(target, (_SharedGEMV, GatedMLP)) else None
+            if params is None:
+                continue
+            target.norm = params
+            # The compiled form of the norm, if one was swapped in, serves several rows behind the pass-through.
+            several = swapped.get((layer, name), norm)
+            self.slots = [slot for slot in self.slots if slot[:2] != (layer, name)]
+            self.slots.append((layer, name, norm, _Passed(several)))
+            self.fused.add("norms")
 
     def _compile_norms(self, parent: torch.nn.Module) -> None:
         """parent's own RMSNorm children (not its layers'), compiled like the layers' norms."""

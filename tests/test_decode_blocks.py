@@ -73,6 +73,59 @@ def test_fused_projections_share_one_buffer_and_give_the_models_logits(lm):
     assert all(s.x is None for s in blocks.shared)  # nothing held past the swap
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_norms_fold_into_the_projections_they_feed(family):
+    """Llama-family layers: the RMSNorm before q/k/v and the one before gate/up pass their input through inside
+    swapped() and the fused GEMVs normalise it (one row); several rows are normalised by the norm module as
+    before. Either way the logits are the model's own (tiny random model, fp32, CPU)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engines.decode_blocks import _Passed
+
+    config = AutoConfig.for_model(family, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Norm weights away from their initial ones, so that a norm applied twice or not at all shows.
+    for layer in model.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data.uniform_(0.5, 1.5)
+    one, several = torch.tensor([[7]]), torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = [model(ids).logits for ids in (one, several)]
+    blocks = DecodeBlocks(model, fuse=True, compile=False)
+    assert blocks.fused == {"qkv", "gate_up", "norms"}
+    with torch.inference_mode(), blocks.swapped():
+        layers = model.model.layers
+        assert all(isinstance(layer.input_layernorm, _Passed) and isinstance(layer.post_attention_layernorm, _Passed)
+                   for layer in layers)
+        assert all(layer.mlp.norm[0] is layer.post_attention_layernorm.norm.weight for layer in layers)
+        got = [model(ids).logits for ids in (one, several)]
+    assert all(type(layer.input_layernorm).__name__.endswith("RMSNorm") for layer in model.model.layers)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_norm_of_another_form_is_not_folded():
+    """Only a norm that computes the Llama family's RMSNorm bit for bit is folded into a GEMV."""
+    from engines.decode_blocks import _llama_norm
+
+    class Offset(torch.nn.Module):  # Gemma's form: (1 + weight), the rounding at the end
+        def __init__(self):
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.zeros(8)), 1e-6
+
+        def forward(self, x):
+            h = x.float()
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)).to(x.dtype)
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    assert _llama_norm(Offset()) is None
+    norm = LlamaRMSNorm(8, eps=1e-5)
+    assert _llama_norm(norm) == (norm.weight, 1e-5)
+
+
 def test_shared_gemv_recomputes_for_another_input():
     """A part called with an input other than the one the group computed for gets that input's columns."""
     weight = torch.randn(7, 5)
@@ -123,7 +176,9 @@ def test_fused_and_compiled_decode_error_within_twice_the_eager_steps_error_on_g
         nll[fuse, compiled] = torch.tensor(engine.teacher_forced_nll(state, question, targets))
         counters = engine.counters(state)
         assert counters["decode_compiled_blocks"] is compiled
-        assert counters["decode_fused_projections"] == ("gate_up+qkv" if fuse else "none")
+        # Qwen 3's norms fold into the GEMVs; Gemma 3's (another form) keep their modules.
+        folded = "gate_up+norms+qkv" if preset == "qwen3-1.7b" else "gate_up+qkv"
+        assert counters["decode_fused_projections"] == (folded if fuse else "none")
         assert counters["decode_projections"] == ("triton gemv" if fuse else "torch linear")
     reference = copy.deepcopy(lm.model).float()
     reference.set_attn_implementation("sdpa")

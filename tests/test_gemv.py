@@ -51,6 +51,38 @@ def test_gemv_triton_matches_fp32(monkeypatch, dtype, N, K, bias, tile):
     assert err <= 2 * torch_err + 1e-5, f"kernel error {err:.2e} vs torch {dtype} error {torch_err:.2e}"
 
 
+@pytest.mark.parametrize("N,K", [(8, 512), (1000, 640), (12, 4097)], ids=lambda n: str(n))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.triton
+def test_gemv_triton_with_a_folded_norm_matches_fp32(dtype, N, K):
+    """The RMSNorm folded into the GEMV: error against the norm and product in fp32 at most 2x that of torch
+    running both at the kernel's dtype (reference.rms_norm, then F.linear)."""
+    from kernels.gemv.reference import rms_norm
+    from kernels.gemv.triton import gemv_triton
+
+    if TRITON_DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter has no bfloat16")
+    torch.manual_seed(42)
+    w = (torch.randn(N, K) * K**-0.5).to(dtype).to(TRITON_DEVICE)
+    x = (3 * torch.randn(1, 1, K)).to(dtype).to(TRITON_DEVICE)
+    g = (1 + 0.2 * torch.randn(K)).to(dtype).to(TRITON_DEVICE)
+    out = gemv_triton(x, w, None, (g, 1e-6))
+    ref = F.linear(rms_norm(x.float(), g.float(), 1e-6), w.float())
+    low = F.linear(rms_norm(x.cpu(), g.cpu(), 1e-6).float(), w.cpu().float()).to(dtype) \
+        if TRITON_DEVICE == "cpu" else F.linear(rms_norm(x, g, 1e-6), w)
+    torch_err = (low.float().to(ref.device) - ref).abs().max().item()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 2 * torch_err + 1e-5, f"kernel error {err:.2e} vs torch {dtype} error {torch_err:.2e}"
+
+
+def test_gemv_folds_the_norm_off_the_kernels_path():
+    """CPU: the norm, then F.linear."""
+    from kernels.gemv.reference import rms_norm
+
+    x, w, g = torch.randn(1, 1, 40), torch.randn(24, 40), torch.rand(40) + 0.5
+    assert torch.equal(gemv(x, w, None, (g, 1e-6)), F.linear(rms_norm(x, g, 1e-6), w))
+
+
 def test_gemv_triton_refuses_what_it_cannot_take():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton")
@@ -63,3 +95,5 @@ def test_gemv_triton_refuses_what_it_cannot_take():
         gemv_triton(torch.randn(1, 16, dtype=torch.float16), w.t())
     with pytest.raises(ValueError, match="bias"):
         gemv_triton(torch.randn(1, 32, dtype=torch.float16), w, torch.randn(8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv_triton(torch.randn(1, 32, dtype=torch.float16), w, None, (torch.ones(16, dtype=torch.float16), 1e-6))

@@ -11,8 +11,9 @@ import functools
 import torch
 
 from kernels.gemv.reference import gemv as gemv_reference
+from kernels.gemv.reference import rms_norm
 
-__all__ = ["gemv", "gemv_backend", "gemv_reference"]
+__all__ = ["gemv", "gemv_backend", "gemv_reference", "rms_norm"]
 
 
 @functools.cache
@@ -24,17 +25,20 @@ def _triton_impl():
     return gemv_triton
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K]; weight: [N, K]; bias: [N] or None -> [..., N] in x's dtype, F.linear's result.
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """x: [..., K]; weight: [N, K]; bias: [N] or None; norm: an RMSNorm's (weight [K], eps) applied to x first
+    (reference.rms_norm) -> [..., N] in x's dtype, F.linear's result.
 
     On Hopper the kernel reads its first weight tile before the kernel launched before it on the stream has
     finished (programmatic dependent launch): the weight must not be that kernel's output (a model's weights
     never are)."""
     impl = _triton_impl() if x.is_cuda else None
     if impl is None or x.numel() != x.shape[-1] or x.dtype not in (torch.bfloat16, torch.float16) \
-            or weight.dtype != x.dtype or not weight.is_contiguous():
-        return gemv_reference(x, weight, bias)
-    return impl(x, weight, bias)
+            or weight.dtype != x.dtype or not weight.is_contiguous() \
+            or (norm is not None and (norm[0].dtype != x.dtype or not norm[0].is_contiguous())):
+        return gemv_reference(x, weight, bias, norm)
+    return impl(x, weight, bias, norm)
 
 
 def gemv_backend(device: torch.device) -> str:

@@ -1,4 +1,5 @@
-"""Reference GEMV: torch's linear (CPU path, test oracle, and every call the Triton kernel does not take)."""
+"""Reference GEMV: torch's linear (CPU path, test oracle, and every call the Triton kernel does not take), with
+the RMSNorm a decode step may fold into it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,17 @@ import torch
 import torch.nn.functional as F
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama family's RMSNorm as transformers computes it: statistics in fp32, the normalised row rounded to
+    x's dtype, then times the weight. x: [..., K]; weight: [K]."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """See kernels.gemv.gemv."""
+    if norm is not None:
+        x = rms_norm(x, *norm)
     return F.linear(x, weight, bias)

@@ -7,6 +7,10 @@ programmatic dependent launch a program loads its first W tile before it waits f
 waits. On an H200 (CUDA graphs of 8 GEMVs on distinct weights; benchmarks/bench_kernels.py --only gemv):
 Qwen3-1.7B's four projections take 31.5 us a layer against 40.4 with F.linear, Llama-3.1-8B's 111.9 against 123.6
 (benchmarks/results/2026-11-28_h200_decode_gemv.json).
+
+With `norm` the RMSNorm before a projection (the Llama family's, as a decoder layer runs it before q/k/v and
+before gate/up) is folded in: each program reads the whole row once for its RMS (a few KB, from L2), so the norm
+needs no kernel of its own, nor the gap before the GEMV that a kernel without programmatic launch leaves.
 """
 
 from __future__ import annotations
@@ -30,8 +34,19 @@ TUNED = {(12288, 2048): (32, 256, 8), (6144, 4096): (16, 512, 8), (28672, 4096):
 
 
 @triton.jit
-def _gemv_fwd_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
+def _row_input(X, G, offs_k, K, r, NORM: tl.constexpr):
+    """x[offs_k] in fp32; with NORM, as transformers' Llama RMSNorm gives it: x * r rounded to x's dtype, times the
+    norm's weight G, rounded again."""
+    x = tl.load(X + offs_k, mask=offs_k < K, other=0.0)
+    if NORM:
+        g = tl.load(G + offs_k, mask=offs_k < K, other=0.0)
+        x = (g.to(tl.float32) * (x.to(tl.float32) * r).to(x.dtype).to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_fwd_kernel(X, W, B, Y, G, N, K, eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, NORM: tl.constexpr, K_ALL: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     in_rows = rows < N
@@ -41,18 +56,25 @@ def _gemv_fwd_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.const
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    acc = w.to(tl.float32) * tl.load(X + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
+    r = 1.0
+    if NORM:
+        # Every program reads the whole row (K_ALL >= K) for its RMS: the norm needs no launch of its own.
+        offs_all = tl.arange(0, K_ALL)
+        x_all = tl.load(X + offs_all, mask=offs_all < K, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(x_all * x_all, 0) / K + eps)
+    acc = w.to(tl.float32) * _row_input(X, G, offs_k, K, r, NORM)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         in_k = k0 + offs_k < K
         w = tl.load(w_ptr + k0, mask=in_rows[:, None] & in_k[None, :], other=0.0)
-        acc += w.to(tl.float32) * tl.load(X + k0 + offs_k, mask=in_k, other=0.0).to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * _row_input(X, G, k0 + offs_k, K, r, NORM)[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=in_rows, other=0.0).to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=in_rows)
 
 
-def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """Same contract as reference.gemv for one row: x [..., K] with x.numel() == K; CUDA-graph capturable."""
     if weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(f"expected a contiguous weight [N, K], got {tuple(weight.shape)} strides {weight.stride()}")
@@ -61,15 +83,22 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"expected x of one row [..., {K}] in {weight.dtype}, got {tuple(x.shape)} {x.dtype}")
     if bias is not None and (bias.shape != (N,) or bias.dtype != weight.dtype):
         raise ValueError(f"expected bias [{N}] in {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    g, eps = norm if norm is not None else (None, 0.0)
+    if g is not None and (g.shape != (K,) or g.dtype != weight.dtype or not g.is_contiguous()):
+        raise ValueError(f"expected a contiguous norm weight [{K}] in {weight.dtype}, got {tuple(g.shape)} {g.dtype}")
     x = x.contiguous()
-    for name, t in (("x", x), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
-        check_device(name, t, weight.device)
+    operands = (("x", x), ("weight", weight), ("bias", bias), ("norm weight", g))
+    for name, t in operands:
+        if t is not None:
+            check_device(name, t, weight.device)
     y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     rows, step, warps = TUNED.get((N, K), (BLOCK_N, BLOCK_K, NUM_WARPS))
     pdl = use_pdl(weight.device)
     with launch_context(weight.device):
         _gemv_fwd_kernel[(triton.cdiv(N, rows),)](
-            x, weight, bias if bias is not None else weight, y, N, K, HAS_BIAS=bias is not None, BLOCK_N=rows,
-            BLOCK_K=step, PDL=pdl, launch_pdl=pdl, num_warps=warps, num_stages=NUM_STAGES,
+            x, weight, bias if bias is not None else weight, y, g if g is not None else weight, N, K, float(eps),
+            HAS_BIAS=bias is not None, BLOCK_N=rows, BLOCK_K=step, NORM=g is not None,
+            K_ALL=triton.next_power_of_2(K) if g is not None else 1, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+            num_stages=NUM_STAGES,
         )
     return y
