@@ -89,11 +89,16 @@ class ResaKVCache(StaticKVCache):
     # without reading the descriptors. Tests turn it off to run the sparse kernels over every block.
     dense_when_every_block_kept = True
 
+    @classmethod
+    def keeps_every_block(cls, rule, n_blocks: int) -> bool:
+        """Whether a cache of n_blocks blocks decodes with the dense kernel: the rule keeps every one of them."""
+        return cls.dense_when_every_block_kept and rule.keep(n_blocks) >= n_blocks
+
     def __init__(self, config, capacity: int, resa: ResaConfig):
         self.block_size, self.rule, self.descriptor_dtype = resa.block_size, resa.rule, resa.descriptor_dtype
         # Static selection width: the blocks kept at full capacity (never fewer than at any shorter length).
         self.width = self.rule.keep(cdiv(capacity, resa.block_size))
-        self.every_block_kept = self.dense_when_every_block_kept and self.width >= cdiv(capacity, resa.block_size)
+        self.every_block_kept = self.keeps_every_block(self.rule, cdiv(capacity, resa.block_size))
         self.timed = False  # CPU: time estimation and sparse attention (synchronous there)
         self.times = {"estimation_s": 0.0, "sparse_attention_s": 0.0}
         super().__init__(config, capacity)
@@ -208,7 +213,7 @@ class ResaEngine(Engine):
         (ResaKVCache.every_block_kept, with n_tokens for the cache's capacity)."""
         block, every = self.config.block_size, self.config.rectify_every
         n_blocks = cdiv(n_tokens, block)
-        if ResaKVCache.dense_when_every_block_kept and self.config.rule.keep(n_blocks) >= n_blocks:
+        if ResaKVCache.keeps_every_block(self.config.rule, n_blocks):
             return Engine.kv_read_bytes(model_config, n_tokens, dtype_bytes)
         kept = min(n_tokens, self.config.rule.keep(n_blocks) * block)
         sparse = kept + (n_tokens // every if every else 0)  # token equivalents per covered layer
