@@ -42,6 +42,8 @@ _COMPILED_SUFFIXES = ("MLP", "RMSNorm")
 _COMPILED_FUNCTIONS = ("apply_rotary_pos_emb",)  # looked up in the attention class's module at call time
 # Decoder layers whose input_layernorm feeds only the attention's q/k/v and post_attention_layernorm only the MLP.
 _NORM_INTO_PROJECTIONS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+# Attentions whose per-head q_norm and k_norm outputs go straight into apply_rotary_pos_emb, called next.
+_NORMS_INTO_ROTARY = ("Qwen3Attention",)
 # Fused weight buffers, per projecting module (attention or MLP), shared by every engine on the model.
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -164,6 +166,40 @@ def _llama_norm(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
         return (weight, eps) if torch.equal(norm(x), rms_norm(x, weight, eps)) else None
 
 
+class _RotaryAfterNorms:
+    """The modeling module's apply_rotary_pos_emb, applying first the q and k norms noted just before it (`_Noted`):
+    norms and rotation as one function (compiled, one Inductor graph instead of three)."""
+
+    def __init__(self, rope, compile: bool):
+        def norm_rope(q, k, cos, sin, wq, eps_q, wk, eps_k, unsqueeze_dim=1):
+            return rope(rms_norm(q, wq, eps_q), rms_norm(k, wk, eps_k), cos, sin, unsqueeze_dim)
+
+        wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
+        self.rope, self.norm_rope = wrap(rope), wrap(norm_rope)
+        self.pending: list[tuple[torch.Tensor, float]] = []
+
+    def __call__(self, q, k, cos, sin, unsqueeze_dim=1):
+        if not self.pending:
+            return self.rope(q, k, cos, sin, unsqueeze_dim)
+        if len(self.pending) != 2:
+            raise RuntimeError(f"expected the q and k norms before the rotation, got {len(self.pending)} noted")
+        (wq, eps_q), (wk, eps_k) = self.pending
+        self.pending = []
+        return self.norm_rope(q, k, cos, sin, wq, eps_q, wk, eps_k, unsqueeze_dim)
+
+
+class _Noted(torch.nn.Module):
+    """A q or k norm deferred to the rotation after it: notes its weight and passes its input through."""
+
+    def __init__(self, rotary: _RotaryAfterNorms, params: tuple[torch.Tensor, float]):
+        super().__init__()
+        self.rotary, self.params = rotary, params
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rotary.pending.append(self.params)
+        return x
+
+
 def _gated_mlp(mlp: torch.nn.Module) -> GatedMLP | None:
     """The fused form of `mlp` if it is a gated MLP (checked on a random input against its own forward)."""
     if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")) \
@@ -204,6 +240,8 @@ class DecodeBlocks:
                     replacement.compile_gate()
                 elif compile and type(child).__name__.endswith(_COMPILED_SUFFIXES):
                     replacement = torch.compile(replacement, dynamic=False)
+                if fuse and type(child).__name__ in _NORMS_INTO_ROTARY:
+                    self._defer_qk_norms(child, compile)
                 if compile and hasattr(child, "q_proj"):
                     self._compile_functions(sys.modules[type(child).__module__])
                     self._compile_norms(child)  # Qwen 3's and Gemma 3's per-head q_norm and k_norm
@@ -238,10 +276,26 @@ class DecodeBlocks:
             self.slots.append((layer, name, norm, _Passed(several)))
             self.fused.add("norms")
 
+    def _defer_qk_norms(self, attn: torch.nn.Module, compile: bool) -> None:
+        """attn's q_norm and k_norm applied by the rotation that follows them (_NORMS_INTO_ROTARY's attentions)."""
+        params = [_llama_norm(getattr(attn, name, None)) for name in ("q_norm", "k_norm")]
+        module = sys.modules[type(attn).__module__]
+        rope = getattr(module, "apply_rotary_pos_emb", None)
+        if None in params or not callable(rope):
+            return
+        rotary = next((r for m, n, _, r in self.functions if m is module and n == "apply_rotary_pos_emb"), None)
+        if rotary is None:
+            rotary = _RotaryAfterNorms(rope, compile)
+            self.functions.append((module, "apply_rotary_pos_emb", rope, rotary))
+        for name, p in zip(("q_norm", "k_norm"), params):
+            self.slots.append((attn, name, getattr(attn, name), _Noted(rotary, p)))
+        self.fused.add("qk_norms")
+
     def _compile_norms(self, parent: torch.nn.Module) -> None:
-        """parent's own RMSNorm children (not its layers'), compiled like the layers' norms."""
+        """parent's own RMSNorm children (not its layers' nor those deferred), compiled like the layers' norms."""
+        taken = {(p, n) for p, n, _, _ in self.slots}
         for name, child in parent.named_children():
-            if type(child).__name__.endswith("RMSNorm"):
+            if type(child).__name__.endswith("RMSNorm") and (parent, name) not in taken:
                 self.slots.append((parent, name, child, torch.compile(child, dynamic=False)))
 
     def _compile_functions(self, module) -> None:

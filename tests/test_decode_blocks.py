@@ -88,18 +88,25 @@ def test_norms_fold_into_the_projections_they_feed(family):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     # Norm weights away from their initial ones, so that a norm applied twice or not at all shows.
     for layer in model.model.layers:
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [getattr(layer.self_attn, name) for name in ("q_norm", "k_norm") if hasattr(layer.self_attn, name)]
+        for norm in norms:
             norm.weight.data.uniform_(0.5, 1.5)
     one, several = torch.tensor([[7]]), torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want = [model(ids).logits for ids in (one, several)]
     blocks = DecodeBlocks(model, fuse=True, compile=False)
-    assert blocks.fused == {"qkv", "gate_up", "norms"}
+    assert blocks.fused == {"qkv", "gate_up", "norms"} | ({"qk_norms"} if family == "qwen3" else set())
     with torch.inference_mode(), blocks.swapped():
         layers = model.model.layers
         assert all(isinstance(layer.input_layernorm, _Passed) and isinstance(layer.post_attention_layernorm, _Passed)
                    for layer in layers)
         assert all(layer.mlp.norm[0] is layer.post_attention_layernorm.norm.weight for layer in layers)
+        if family == "qwen3":  # the per-head q and k norms go to the rotation after them
+            from engines.decode_blocks import _Noted
+
+            assert all(isinstance(layer.self_attn.q_norm, _Noted) and isinstance(layer.self_attn.k_norm, _Noted)
+                       for layer in layers)
         got = [model(ids).logits for ids in (one, several)]
     assert all(type(layer.input_layernorm).__name__.endswith("RMSNorm") for layer in model.model.layers)
     for g, w in zip(got, want):
