@@ -1,7 +1,7 @@
 """The decoder layers' modules as a captured decode step runs them: fused projections, compiled blocks.
 
 A captured decode step of an 8B model is ~1,500 kernels: GEMVs that stream the weights, and small element-wise
-kernels around them. Two rewrites make it cheaper, both swapped in only while a step is captured (prefill keeps
+kernels around them. These rewrites make it cheaper, swapped in only while a step is captured (prefill keeps
 the model's own modules and its chunk shapes):
 
 - Fused projections (run key `fuse_projections`, on): q, k and v read the same hidden state, as do an MLP's
@@ -15,8 +15,10 @@ the model's own modules and its chunk shapes):
   RMSNorm before q/k/v and the one before gate/up feed nothing but those projections, so the GEMV computes the
   row's RMS itself (kernels/gemv's `norm`) and the norm module passes its input through. The norm's own kernel
   and the gap before the GEMV go, two a layer. Gemma 3's norms (1 + weight, another rounding) keep their module.
+- The gated MLP's activation in the gate/up GEMV (with fused projections): each program of that GEMV computes
+  matching gate and up rows and stores act(gate) * up, so one row's activation needs no kernel between the GEMVs.
 - Compiled blocks (run key `compile_decode`, off): the MLPs (with fused projections, their activation * up
-  alone) and norms under torch.compile with static shapes.
+  alone, for several rows) and norms under torch.compile with static shapes.
   Inductor fuses each RMSNorm (6-8 kernels) and the MLP's activation * up into one (H100, random 8B at 4K:
   8.60 -> 7.73 ms/token, 1,497 -> 1,017 kernels; benchmarks/profile_decode.py). The norms include those inside
   the attention (Qwen 3's and Gemma 3's per-head q_norm and k_norm: eagerly 16 kernels a layer) and the final
@@ -36,7 +38,7 @@ import weakref
 
 import torch
 
-from kernels.gemv import gemv, gemv_backend, rms_norm
+from kernels.gemv import ACTIVATIONS, gemv, gemv_backend, rms_norm
 
 _COMPILED_SUFFIXES = ("MLP", "RMSNorm")
 _COMPILED_FUNCTIONS = ("apply_rotary_pos_emb",)  # looked up in the attention class's module at call time
@@ -117,14 +119,17 @@ class Projection(torch.nn.Module):
 
 class GatedMLP(torch.nn.Module):
     """down(act(gate(x)) * up(x)), the MLP of the Llama, Qwen, Mistral and Gemma families, with gate and up as
-    one GEMV. Compiled (`compile_gate`), only the activation and product go through torch.compile: the GEMVs
-    stay kernels/gemv launches."""
+    one GEMV. For one row whose activation kernels/gemv knows (`act`: SiLU, GELU's tanh form), that GEMV forms
+    act(gate) * up as it stores: no kernel between the two GEMVs. Several rows (a rectification's tokens) run the
+    activation and product apart, through torch.compile when compiled (`compile_gate`); the GEMVs stay
+    kernels/gemv launches."""
 
     def __init__(self, mlp: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.act_fn, self.down = mlp.act_fn, Projection(mlp.down_proj)
         self.weight, self.bias = weight, bias
         self.norm: tuple[torch.Tensor, float] | None = None  # the RMSNorm folded in (weight, eps), see _Passed
+        self.act = _activation_name(mlp.act_fn, weight)
         self.gate = self._gate
 
     def _gate(self, both: torch.Tensor) -> torch.Tensor:
@@ -135,7 +140,21 @@ class GatedMLP(torch.nn.Module):
         self.gate = torch.compile(self._gate, dynamic=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate(gemv(x, self.weight, self.bias, self.norm if _one_row(x) else None)))
+        if _one_row(x):
+            if self.act is not None:
+                return self.down(gemv(x, self.weight, self.bias, self.norm, self.act))
+            return self.down(self.gate(gemv(x, self.weight, self.bias, self.norm)))
+        return self.down(self.gate(gemv(x, self.weight, self.bias)))
+
+
+def _activation_name(act_fn, like: torch.Tensor) -> str | None:
+    """The kernels/gemv name of `act_fn` (checked bit for bit on a random tensor of `like`'s dtype and device),
+    or None."""
+    gen = torch.Generator(device=like.device).manual_seed(0)
+    t = torch.randn(256, generator=gen, device=like.device).mul(4).to(like.dtype)
+    with torch.no_grad():
+        got = act_fn(t)
+        return next((name for name, fn in ACTIVATIONS.items() if torch.equal(got, fn(t))), None)
 
 
 def _one_row(x: torch.Tensor) -> bool:
@@ -219,7 +238,7 @@ def _gated_mlp(mlp: torch.nn.Module) -> GatedMLP | None:
 
 class DecodeBlocks:
     """Replacement modules for the decoder layers (fused projections, compiled MLPs and norms), in place only
-    inside `swapped()`. `fused` names what was fused ("qkv", "gate_up"), for the report."""
+    inside `swapped()`. `fused` names what was fused ("qkv", "gate_up", "norms", "activation", ...), for the report."""
 
     def __init__(self, model: torch.nn.Module, *, fuse: bool, compile: bool):
         self.slots: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]] = []
@@ -233,7 +252,7 @@ class DecodeBlocks:
                 if fuse and name == "mlp":
                     replacement = _gated_mlp(child) or child
                     if replacement is not child:
-                        self.fused.add("gate_up")
+                        self.fused |= {"gate_up", "activation"} if replacement.act else {"gate_up"}
                 if fuse and hasattr(child, "q_proj"):
                     self._fuse_attention(child)
                 if compile and isinstance(replacement, GatedMLP):

@@ -83,6 +83,57 @@ def test_gemv_folds_the_norm_off_the_kernels_path():
     assert torch.equal(gemv(x, w, None, (g, 1e-6)), F.linear(rms_norm(x, g, 1e-6), w))
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("I,K,rows", [(4, 512, 8), (500, 640, 16), (1000, 2048, 32), (6, 4097, 8)],
+                         ids=lambda n: str(n))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.triton
+def test_gemv_triton_gated_matches_fp32(monkeypatch, dtype, I, K, rows, act):
+    """A gated MLP's act(gate) * up formed by the gate/up GEMV ([2I, K] stacked; outputs that are not a multiple
+    of the program's half, with and without the folded norm): error against fp32 at most 2x torch's at the
+    kernel's dtype (F.linear, then the activation and product)."""
+    import kernels.gemv.triton as gemv_module
+    from kernels.gemv.reference import ACTIVATIONS, rms_norm
+    from kernels.gemv.triton import gemv_triton
+
+    if TRITON_DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter has no bfloat16")
+    monkeypatch.setitem(gemv_module.TUNED, (2 * I, K), (rows, 256, 4))
+    torch.manual_seed(42)
+    w = (torch.randn(2 * I, K) * 2 * K**-0.5).to(dtype).to(TRITON_DEVICE)
+    x = torch.randn(1, 1, K).to(dtype).to(TRITON_DEVICE)
+    b = torch.randn(2 * I).to(dtype).to(TRITON_DEVICE)
+    g = (1 + 0.2 * torch.randn(K)).to(dtype).to(TRITON_DEVICE)
+    fn = ACTIVATIONS[act]
+
+    def gated(y):
+        gate, up = y.chunk(2, dim=-1)
+        return fn(gate) * up
+
+    for bias, norm in ((None, None), (b, (g, 1e-6))):
+        out = gemv_triton(x, w, bias, norm, act)
+        h = rms_norm(x.float(), g.float(), 1e-6) if norm else x.float()
+        ref = gated(F.linear(h, w.float(), None if bias is None else bias.float()))
+        h_low = rms_norm(x, g, 1e-6) if norm else x
+        if TRITON_DEVICE == "cpu":  # torch's half-precision linear: fp32 products rounded to the dtype
+            y_low = F.linear(h_low.float(), w.float(), None if bias is None else bias.float()).to(dtype)
+        else:
+            y_low = F.linear(h_low, w, bias)
+        low = gated(y_low)
+        assert out.shape == (1, 1, I) and out.dtype == dtype
+        torch_err = (low.float().to(ref.device) - ref).abs().max().item()
+        err = (out.float() - ref).abs().max().item()
+        assert err <= 2 * torch_err + 1e-5, f"{act} norm={norm is not None}: kernel {err:.2e} vs torch {torch_err:.2e}"
+
+
+def test_gemv_gated_off_the_kernels_path():
+    """CPU: F.linear, then act(gate) * up over its two halves."""
+    x, w = torch.randn(1, 1, 40), torch.randn(48, 40)
+    y = F.linear(x, w)
+    assert torch.equal(gemv(x, w, None, None, "silu"), F.silu(y[..., :24]) * y[..., 24:])
+    assert torch.equal(gemv(x, w, None, None, "gelu_tanh"), F.gelu(y[..., :24], approximate="tanh") * y[..., 24:])
+
+
 def test_gemv_triton_refuses_what_it_cannot_take():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton")
@@ -97,3 +148,7 @@ def test_gemv_triton_refuses_what_it_cannot_take():
         gemv_triton(torch.randn(1, 32, dtype=torch.float16), w, torch.randn(8, dtype=torch.float16))
     with pytest.raises(ValueError, match="norm weight"):
         gemv_triton(torch.randn(1, 32, dtype=torch.float16), w, None, (torch.ones(16, dtype=torch.float16), 1e-6))
+    with pytest.raises(ValueError, match="act in"):
+        gemv_triton(torch.randn(1, 32, dtype=torch.float16), w, None, None, "relu")
+    with pytest.raises(ValueError, match="stacked gate and up"):
+        gemv_triton(torch.randn(1, 32, dtype=torch.float16), w[:15], None, None, "silu")

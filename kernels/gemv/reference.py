@@ -1,5 +1,5 @@
 """Reference GEMV: torch's linear (CPU path, test oracle, and every call the Triton kernel does not take), with
-the RMSNorm a decode step may fold into it."""
+the RMSNorm a decode step may fold into it and the gated MLP's activation it may form."""
 
 from __future__ import annotations
 
@@ -15,9 +15,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+# A gated MLP's activations by the names kernels.gemv takes, as transformers' ACT2FN computes them.
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+         norm: tuple[torch.Tensor, float] | None = None, act: str | None = None) -> torch.Tensor:
     """See kernels.gemv.gemv."""
     if norm is not None:
         x = rms_norm(x, *norm)
-    return F.linear(x, weight, bias)
+    y = F.linear(x, weight, bias)
+    if act is None:
+        return y
+    gate, up = y.chunk(2, dim=-1)
+    return ACTIVATIONS[act](gate) * up

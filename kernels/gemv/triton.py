@@ -11,6 +11,9 @@ Qwen3-1.7B's four projections take 31.5 us a layer against 40.4 with F.linear, L
 With `norm` the RMSNorm before a projection (the Llama family's, as a decoder layer runs it before q/k/v and
 before gate/up) is folded in: each program reads the whole row once for its RMS (a few KB, from L2), so the norm
 needs no kernel of its own, nor the gap before the GEMV that a kernel without programmatic launch leaves.
+With `act` the weight is a gated MLP's gate and up projections stacked ([2I, K]) and the kernel returns act(gate) *
+up ([I]): a program's rows are half gate rows and the matching up rows, and it forms the product as it stores, so
+the activation needs no kernel either, and the down projection's input is ready when the GEMV ends.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kernels._gdc import use_pdl
 from kernels._triton_common import check_device, launch_context
 
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 8, 512, 8, 3
+ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}  # `act` names, as the kernel's ACT codes
 # (rows a program, K a step, warps) by weight shape [N, K] where an H200 sweep (8, 16, 32 rows x 256, 512 of K, 4
 # or 8 warps; benchmarks/results/2026-11-28_h200_decode_gemv.json) found another at least 3% faster than the
 # default: the program count's waves over the SMs make the best tile jump between neighbouring shapes, so measured
@@ -45,11 +49,31 @@ def _row_input(X, G, offs_k, K, r, NORM: tl.constexpr):
 
 
 @triton.jit
+def _activation(x, ACT: tl.constexpr):
+    """fp32 in and out: ACT 1 is SiLU, 2 GELU's tanh form (Gemma's gelu_pytorch_tanh)."""
+    if ACT == 1:
+        return x / (1.0 + tl.exp(-x))
+    else:
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        return 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+
+
+@triton.jit
 def _gemv_fwd_kernel(X, W, B, Y, G, N, K, eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, NORM: tl.constexpr, K_ALL: tl.constexpr, PDL: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                     BLOCK_K: tl.constexpr, NORM: tl.constexpr, K_ALL: tl.constexpr, ACT: tl.constexpr,
+                     PDL: tl.constexpr):
+    local = tl.arange(0, BLOCK_N)
+    if ACT:
+        # Gated: the first half of the program's rows are gate rows, the second half the up rows of the same
+        # outputs (N // 2 further down the stacked weight).
+        HALF: tl.constexpr = BLOCK_N // 2
+        outs = tl.program_id(0) * HALF + local % HALF
+        rows = outs + (local // HALF) * (N // 2)
+        in_rows = outs < N // 2
+    else:
+        rows = tl.program_id(0) * BLOCK_N + local
+        in_rows = rows < N
     offs_k = tl.arange(0, BLOCK_K)
-    in_rows = rows < N
     w_ptr = W + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
     # The first tile before waiting on the previous kernel: the weights are not its output.
     w = tl.load(w_ptr, mask=in_rows[:, None] & (offs_k < K)[None, :], other=0.0)
@@ -70,15 +94,25 @@ def _gemv_fwd_kernel(X, W, B, Y, G, N, K, eps, HAS_BIAS: tl.constexpr, BLOCK_N: 
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=in_rows, other=0.0).to(tl.float32)
+    if ACT:
+        # transformers' roundings: gate and up in the model's dtype, the activation rounded, then the product.
+        y = y.to(Y.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.permute(tl.reshape(y, (2, HALF)), (1, 0)))
+        y = _activation(gate, ACT).to(Y.dtype.element_ty).to(tl.float32) * up
+        rows = tl.program_id(0) * HALF + tl.arange(0, HALF)
+        in_rows = rows < N // 2
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=in_rows)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                norm: tuple[torch.Tensor, float] | None = None, act: str | None = None) -> torch.Tensor:
     """Same contract as reference.gemv for one row: x [..., K] with x.numel() == K; CUDA-graph capturable."""
     if weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(f"expected a contiguous weight [N, K], got {tuple(weight.shape)} strides {weight.stride()}")
     N, K = weight.shape
+    if act is not None and (act not in ACTIVATIONS or N % 2):
+        raise ValueError(f"expected act in {sorted(ACTIVATIONS)} over stacked gate and up rows [2I, K], got {act!r} "
+                         f"over {N} rows")
     if x.shape[-1] != K or x.numel() != K or x.dtype != weight.dtype:
         raise ValueError(f"expected x of one row [..., {K}] in {weight.dtype}, got {tuple(x.shape)} {x.dtype}")
     if bias is not None and (bias.shape != (N,) or bias.dtype != weight.dtype):
@@ -91,14 +125,14 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     for name, t in operands:
         if t is not None:
             check_device(name, t, weight.device)
-    y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    y = torch.empty(*x.shape[:-1], N // 2 if act else N, device=x.device, dtype=x.dtype)
     rows, step, warps = TUNED.get((N, K), (BLOCK_N, BLOCK_K, NUM_WARPS))
     pdl = use_pdl(weight.device)
     with launch_context(weight.device):
         _gemv_fwd_kernel[(triton.cdiv(N, rows),)](
             x, weight, bias if bias is not None else weight, y, g if g is not None else weight, N, K, float(eps),
             HAS_BIAS=bias is not None, BLOCK_N=rows, BLOCK_K=step, NORM=g is not None,
-            K_ALL=triton.next_power_of_2(K) if g is not None else 1, PDL=pdl, launch_pdl=pdl, num_warps=warps,
-            num_stages=NUM_STAGES,
+            K_ALL=triton.next_power_of_2(K) if g is not None else 1, ACT=ACTIVATIONS.get(act, 0), PDL=pdl,
+            launch_pdl=pdl, num_warps=warps, num_stages=NUM_STAGES,
         )
     return y
