@@ -11,20 +11,16 @@ the model's own modules and its chunk shapes):
   runs one GEMV per group. The step's projections (the fused groups, the attention's output and the MLP's down
   projection) run through kernels/gemv: on CUDA a Triton GEMV that streams the weight rows at more of the memory
   bandwidth than cuBLAS's one-row GEMMs (H200: Qwen3-1.7B's four 40.4 -> 31.5 us a layer, benchmarks/README.md).
-- Norms folded into the GEMVs (with fused projections, on the Llama, Mistral and Qwen families' layers): the
-  RMSNorm before q/k/v and the one before gate/up feed nothing but those projections, so the GEMV computes the
-  row's RMS itself (kernels/gemv's `norm`) and the norm module passes its input through. The norm's own kernel
-  and the gap before the GEMV go, two a layer. Gemma 3's norms (1 + weight, another rounding) keep their module.
-- The gated MLP's activation in the gate/up GEMV (with fused projections): each program of that GEMV computes
-  matching gate and up rows and stores act(gate) * up, so one row's activation needs no kernel between the GEMVs.
+- Folds (with fused projections; engines/decode_folds.py): the Llama, Mistral and Qwen layers' two RMSNorms
+  computed inside the GEMVs they feed, Qwen 3's q/k norms inside the rotation, and a gated MLP's activation
+  formed by the gate/up GEMV as it stores: kernels, and the launch gaps before the GEMVs, a layer fewer.
 - Compiled blocks (run key `compile_decode`, off): the MLPs (with fused projections, their activation * up
   alone, for several rows) and norms under torch.compile with static shapes.
   Inductor fuses each RMSNorm (6-8 kernels) and the MLP's activation * up into one (H100, random 8B at 4K:
   8.60 -> 7.73 ms/token, 1,497 -> 1,017 kernels; benchmarks/profile_decode.py). The norms include those inside
   the attention (Qwen 3's and Gemma 3's per-head q_norm and k_norm: eagerly 16 kernels a layer) and the final
-  one. Their shapes never change
-  with the document, so one compilation serves every layer and document; the attention (Triton launchers,
-  the engine's cache state) stays eager. The rotary embedding, `apply_rotary_pos_emb` in the model's modeling
+  one. Their shapes never change with the document, so one compilation serves every layer and document; the
+  attention (Triton launchers, the engine's cache state) stays eager. The rotary embedding, `apply_rotary_pos_emb` in the model's modeling
   module, is compiled too: eagerly it is ~10 kernels per layer (~0.6 ms of an 8B step). The attention forward
   looks that function up in its module's globals, so it is swapped there, as Liger Kernel patches it; the
   model's classes are untouched.
@@ -38,14 +34,12 @@ import weakref
 
 import torch
 
-from kernels.gemv import ACTIVATIONS, gemv, gemv_backend, rms_norm
+from engines.decode_folds import (NORM_INTO_PROJECTIONS, NORMS_INTO_ROTARY, Noted, Passed, RotaryAfterNorms,
+                                  activation_name, llama_norm, one_row)
+from kernels.gemv import gemv, gemv_backend
 
 _COMPILED_SUFFIXES = ("MLP", "RMSNorm")
 _COMPILED_FUNCTIONS = ("apply_rotary_pos_emb",)  # looked up in the attention class's module at call time
-# Decoder layers whose input_layernorm feeds only the attention's q/k/v and post_attention_layernorm only the MLP.
-_NORM_INTO_PROJECTIONS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
-# Attentions whose per-head q_norm and k_norm outputs go straight into apply_rotary_pos_emb, called next.
-_NORMS_INTO_ROTARY = ("Qwen3Attention",)
 # Fused weight buffers, per projecting module (attention or MLP), shared by every engine on the model.
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -84,12 +78,12 @@ class _SharedGEMV:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bounds: list):
         self.weight, self.bias, self.bounds = weight, bias, bounds
-        self.norm: tuple[torch.Tensor, float] | None = None  # the RMSNorm folded in (weight, eps), see _Passed
+        self.norm: tuple[torch.Tensor, float] | None = None  # the RMSNorm folded in (weight, eps), see Passed
         self.x = self.y = None
 
     def columns(self, x: torch.Tensor, part: int) -> torch.Tensor:
         if x is not self.x:
-            self.x, self.y = x, gemv(x, self.weight, self.bias, self.norm if _one_row(x) else None)
+            self.x, self.y = x, gemv(x, self.weight, self.bias, self.norm if one_row(x) else None)
         start, stop = self.bounds[part]
         return self.y[..., start:stop]
 
@@ -128,8 +122,8 @@ class GatedMLP(torch.nn.Module):
         super().__init__()
         self.act_fn, self.down = mlp.act_fn, Projection(mlp.down_proj)
         self.weight, self.bias = weight, bias
-        self.norm: tuple[torch.Tensor, float] | None = None  # the RMSNorm folded in (weight, eps), see _Passed
-        self.act = _activation_name(mlp.act_fn, weight)
+        self.norm: tuple[torch.Tensor, float] | None = None  # the RMSNorm folded in (weight, eps), see Passed
+        self.act = activation_name(mlp.act_fn, weight)
         self.gate = self._gate
 
     def _gate(self, both: torch.Tensor) -> torch.Tensor:
@@ -140,83 +134,11 @@ class GatedMLP(torch.nn.Module):
         self.gate = torch.compile(self._gate, dynamic=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _one_row(x):
+        if one_row(x):
             if self.act is not None:
                 return self.down(gemv(x, self.weight, self.bias, self.norm, self.act))
             return self.down(self.gate(gemv(x, self.weight, self.bias, self.norm)))
         return self.down(self.gate(gemv(x, self.weight, self.bias)))
-
-
-def _activation_name(act_fn, like: torch.Tensor) -> str | None:
-    """The kernels/gemv name of `act_fn` (checked bit for bit on a random tensor of `like`'s dtype and device),
-    or None."""
-    gen = torch.Generator(device=like.device).manual_seed(0)
-    t = torch.randn(256, generator=gen, device=like.device).mul(4).to(like.dtype)
-    with torch.no_grad():
-        got = act_fn(t)
-        return next((name for name, fn in ACTIVATIONS.items() if torch.equal(got, fn(t))), None)
-
-
-def _one_row(x: torch.Tensor) -> bool:
-    return x.numel() == x.shape[-1]
-
-
-class _Passed(torch.nn.Module):
-    """An RMSNorm folded into the projection after it: one row (a decode step) passes through and the projection
-    normalises it; several rows (a rectification's tokens) are normalised here, by `norm` (the model's module or
-    its compiled form), as the projection then expects."""
-
-    def __init__(self, norm: torch.nn.Module):
-        super().__init__()
-        self.norm = norm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x if _one_row(x) else self.norm(x)
-
-
-def _llama_norm(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
-    """(weight, eps) if `norm` computes reference.rms_norm (checked bit for bit on a random row), else None."""
-    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
-        return None
-    gen = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(1, 1, weight.numel(), generator=gen, device=weight.device).mul(3).to(weight.dtype)
-    with torch.no_grad():
-        return (weight, eps) if torch.equal(norm(x), rms_norm(x, weight, eps)) else None
-
-
-class _RotaryAfterNorms:
-    """The modeling module's apply_rotary_pos_emb, applying first the q and k norms noted just before it (`_Noted`):
-    norms and rotation as one function (compiled, one Inductor graph instead of three)."""
-
-    def __init__(self, rope, compile: bool):
-        def norm_rope(q, k, cos, sin, wq, eps_q, wk, eps_k, unsqueeze_dim=1):
-            return rope(rms_norm(q, wq, eps_q), rms_norm(k, wk, eps_k), cos, sin, unsqueeze_dim)
-
-        wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
-        self.rope, self.norm_rope = wrap(rope), wrap(norm_rope)
-        self.pending: list[tuple[torch.Tensor, float]] = []
-
-    def __call__(self, q, k, cos, sin, unsqueeze_dim=1):
-        if not self.pending:
-            return self.rope(q, k, cos, sin, unsqueeze_dim)
-        if len(self.pending) != 2:
-            raise RuntimeError(f"expected the q and k norms before the rotation, got {len(self.pending)} noted")
-        (wq, eps_q), (wk, eps_k) = self.pending
-        self.pending = []
-        return self.norm_rope(q, k, cos, sin, wq, eps_q, wk, eps_k, unsqueeze_dim)
-
-
-class _Noted(torch.nn.Module):
-    """A q or k norm deferred to the rotation after it: notes its weight and passes its input through."""
-
-    def __init__(self, rotary: _RotaryAfterNorms, params: tuple[torch.Tensor, float]):
-        super().__init__()
-        self.rotary, self.params = rotary, params
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.rotary.pending.append(self.params)
-        return x
 
 
 def _gated_mlp(mlp: torch.nn.Module) -> GatedMLP | None:
@@ -259,7 +181,7 @@ class DecodeBlocks:
                     replacement.compile_gate()
                 elif compile and type(child).__name__.endswith(_COMPILED_SUFFIXES):
                     replacement = torch.compile(replacement, dynamic=False)
-                if fuse and type(child).__name__ in _NORMS_INTO_ROTARY:
+                if fuse and type(child).__name__ in NORMS_INTO_ROTARY:
                     self._defer_qk_norms(child, compile)
                 if compile and hasattr(child, "q_proj"):
                     self._compile_functions(sys.modules[type(child).__module__])
@@ -275,8 +197,8 @@ class DecodeBlocks:
         self.projections = gemv_backend(device) if self.fused else "torch linear"
 
     def _fold_norms(self, layer: torch.nn.Module) -> None:
-        """Fold the layer's two norms into the fused GEMVs they feed (_NORM_INTO_PROJECTIONS' layers only)."""
-        if type(layer).__name__ not in _NORM_INTO_PROJECTIONS:
+        """Fold the layer's two norms into the fused GEMVs they feed (NORM_INTO_PROJECTIONS' layers only)."""
+        if type(layer).__name__ not in NORM_INTO_PROJECTIONS:
             return
         swapped = {(parent, name): replacement for parent, name, _, replacement in self.slots}
         attention = getattr(layer, "self_attn", None)
@@ -285,29 +207,29 @@ class DecodeBlocks:
                    "post_attention_layernorm": swapped.get((layer, "mlp"))}
         for name, target in targets.items():
             norm = getattr(layer, name, None)
-            params = _llama_norm(norm) if isinstance(target, (_SharedGEMV, GatedMLP)) else None
+            params = llama_norm(norm) if isinstance(target, (_SharedGEMV, GatedMLP)) else None
             if params is None:
                 continue
             target.norm = params
             # The compiled form of the norm, if one was swapped in, serves several rows behind the pass-through.
             several = swapped.get((layer, name), norm)
             self.slots = [slot for slot in self.slots if slot[:2] != (layer, name)]
-            self.slots.append((layer, name, norm, _Passed(several)))
+            self.slots.append((layer, name, norm, Passed(several)))
             self.fused.add("norms")
 
     def _defer_qk_norms(self, attn: torch.nn.Module, compile: bool) -> None:
-        """attn's q_norm and k_norm applied by the rotation that follows them (_NORMS_INTO_ROTARY's attentions)."""
-        params = [_llama_norm(getattr(attn, name, None)) for name in ("q_norm", "k_norm")]
+        """attn's q_norm and k_norm applied by the rotation that follows them (NORMS_INTO_ROTARY's attentions)."""
+        params = [llama_norm(getattr(attn, name, None)) for name in ("q_norm", "k_norm")]
         module = sys.modules[type(attn).__module__]
         rope = getattr(module, "apply_rotary_pos_emb", None)
         if None in params or not callable(rope):
             return
         rotary = next((r for m, n, _, r in self.functions if m is module and n == "apply_rotary_pos_emb"), None)
         if rotary is None:
-            rotary = _RotaryAfterNorms(rope, compile)
+            rotary = RotaryAfterNorms(rope, compile)
             self.functions.append((module, "apply_rotary_pos_emb", rope, rotary))
         for name, p in zip(("q_norm", "k_norm"), params):
-            self.slots.append((attn, name, getattr(attn, name), _Noted(rotary, p)))
+            self.slots.append((attn, name, getattr(attn, name), Noted(rotary, p)))
         self.fused.add("qk_norms")
 
     def _compile_norms(self, parent: torch.nn.Module) -> None:

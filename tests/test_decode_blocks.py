@@ -80,7 +80,7 @@ def test_norms_fold_into_the_projections_they_feed(family):
     before. Either way the logits are the model's own (tiny random model, fp32, CPU)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engines.decode_blocks import _Passed
+    from engines.decode_folds import Passed
 
     config = AutoConfig.for_model(family, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
@@ -99,13 +99,13 @@ def test_norms_fold_into_the_projections_they_feed(family):
     assert blocks.fused == {"qkv", "gate_up", "norms", "activation"} | ({"qk_norms"} if family == "qwen3" else set())
     with torch.inference_mode(), blocks.swapped():
         layers = model.model.layers
-        assert all(isinstance(layer.input_layernorm, _Passed) and isinstance(layer.post_attention_layernorm, _Passed)
+        assert all(isinstance(layer.input_layernorm, Passed) and isinstance(layer.post_attention_layernorm, Passed)
                    for layer in layers)
         assert all(layer.mlp.norm[0] is layer.post_attention_layernorm.norm.weight for layer in layers)
         if family == "qwen3":  # the per-head q and k norms go to the rotation after them
-            from engines.decode_blocks import _Noted
+            from engines.decode_folds import Noted
 
-            assert all(isinstance(layer.self_attn.q_norm, _Noted) and isinstance(layer.self_attn.k_norm, _Noted)
+            assert all(isinstance(layer.self_attn.q_norm, Noted) and isinstance(layer.self_attn.k_norm, Noted)
                        for layer in layers)
         got = [model(ids).logits for ids in (one, several)]
     assert all(type(layer.input_layernorm).__name__.endswith("RMSNorm") for layer in model.model.layers)
@@ -115,7 +115,7 @@ def test_norms_fold_into_the_projections_they_feed(family):
 
 def test_a_norm_of_another_form_is_not_folded():
     """Only a norm that computes the Llama family's RMSNorm bit for bit is folded into a GEMV."""
-    from engines.decode_blocks import _llama_norm
+    from engines.decode_folds import llama_norm
 
     class Offset(torch.nn.Module):  # Gemma's form: (1 + weight), the rounding at the end
         def __init__(self):
@@ -128,9 +128,9 @@ def test_a_norm_of_another_form_is_not_folded():
 
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    assert _llama_norm(Offset()) is None
+    assert llama_norm(Offset()) is None
     norm = LlamaRMSNorm(8, eps=1e-5)
-    assert _llama_norm(norm) == (norm.weight, 1e-5)
+    assert llama_norm(norm) == (norm.weight, 1e-5)
 
 
 def test_shared_gemv_recomputes_for_another_input():

@@ -1,0 +1,96 @@
+"""What a captured one-token step folds into the kernels around it (engines/decode_blocks.py swaps these in).
+
+- The Llama family's RMSNorms into the GEMVs after them (`Passed`, `llama_norm`): the norm before q/k/v and the one
+  before gate/up feed nothing but those projections, so one row passes through and the GEMV normalises it
+  (kernels/gemv's `norm`). A norm folds only where it equals transformers' Llama RMSNorm bit for bit on a random row
+  and its layer class is listed (`NORM_INTO_PROJECTIONS`): that its output feeds nothing else is a fact about the
+  layer's forward, which no check of the norm alone can see.
+- Qwen 3's per-head q and k norms into the rotation after them (`Noted`, `RotaryAfterNorms`): the norms note their
+  weights and pass their input through, and the rotation applies both first, as one compiled function.
+- A gated MLP's activation into the gate/up GEMV (`activation_name`: the kernels/gemv name of the module's own
+  activation, found bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.gemv import ACTIVATIONS, rms_norm
+
+# Decoder layers whose input_layernorm feeds only the attention's q/k/v and post_attention_layernorm only the MLP.
+NORM_INTO_PROJECTIONS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+# Attentions whose per-head q_norm and k_norm outputs go straight into apply_rotary_pos_emb, called next.
+NORMS_INTO_ROTARY = ("Qwen3Attention",)
+
+
+def activation_name(act_fn, like: torch.Tensor) -> str | None:
+    """The kernels/gemv name of `act_fn` (checked bit for bit on a random tensor of `like`'s dtype and device),
+    or None."""
+    gen = torch.Generator(device=like.device).manual_seed(0)
+    t = torch.randn(256, generator=gen, device=like.device).mul(4).to(like.dtype)
+    with torch.no_grad():
+        got = act_fn(t)
+        return next((name for name, fn in ACTIVATIONS.items() if torch.equal(got, fn(t))), None)
+
+
+def one_row(x: torch.Tensor) -> bool:
+    """Whether x is one row (a decode step's token); several rows are a rectification's or a prefill's."""
+    return x.numel() == x.shape[-1]
+
+
+class Passed(torch.nn.Module):
+    """An RMSNorm folded into the projection after it: one row (a decode step) passes through and the projection
+    normalises it; several rows (a rectification's tokens) are normalised here, by `norm` (the model's module or
+    its compiled form), as the projection then expects."""
+
+    def __init__(self, norm: torch.nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if one_row(x) else self.norm(x)
+
+
+def llama_norm(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
+    """(weight, eps) if `norm` computes reference.rms_norm (checked bit for bit on a random row), else None."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
+        return None
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(1, 1, weight.numel(), generator=gen, device=weight.device).mul(3).to(weight.dtype)
+    with torch.no_grad():
+        return (weight, eps) if torch.equal(norm(x), rms_norm(x, weight, eps)) else None
+
+
+class RotaryAfterNorms:
+    """The modeling module's apply_rotary_pos_emb, applying first the q and k norms noted just before it (`Noted`):
+    norms and rotation as one function (compiled, one Inductor graph instead of three)."""
+
+    def __init__(self, rope, compile: bool):
+        def norm_rope(q, k, cos, sin, wq, eps_q, wk, eps_k, unsqueeze_dim=1):
+            return rope(rms_norm(q, wq, eps_q), rms_norm(k, wk, eps_k), cos, sin, unsqueeze_dim)
+
+        wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
+        self.rope, self.norm_rope = wrap(rope), wrap(norm_rope)
+        self.pending: list[tuple[torch.Tensor, float]] = []
+
+    def __call__(self, q, k, cos, sin, unsqueeze_dim=1):
+        if not self.pending:
+            return self.rope(q, k, cos, sin, unsqueeze_dim)
+        if len(self.pending) != 2:
+            raise RuntimeError(f"expected the q and k norms before the rotation, got {len(self.pending)} noted")
+        (wq, eps_q), (wk, eps_k) = self.pending
+        self.pending = []
+        return self.norm_rope(q, k, cos, sin, wq, eps_q, wk, eps_k, unsqueeze_dim)
+
+
+class Noted(torch.nn.Module):
+    """A q or k norm deferred to the rotation after it: notes its weight and passes its input through."""
+
+    def __init__(self, rotary: RotaryAfterNorms, params: tuple[torch.Tensor, float]):
+        super().__init__()
+        self.rotary, self.params = rotary, params
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rotary.pending.append(self.params)
+        return x
