@@ -227,6 +227,9 @@ def bench_gemv(shape: str, name: str, n_weights: int = 8) -> dict:
         # The decode step folds the layer's RMSNorm into these two (Llama, Mistral, Qwen layers).
         norm = (torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-6)
         fns["triton_norm"] = lambda: [gemv_triton(x, w, None, norm) for w in weights]
+    if name == "gate_up":
+        # And forms silu(gate) * up as it stores (half the output, the activation's kernel gone).
+        fns["triton_norm_silu"] = lambda: [gemv_triton(x, w, None, norm, "silu") for w in weights]
     with torch.cuda.stream(torch.cuda.Stream()):
         us = {k: do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3 / n_weights for k, fn in fns.items()}
     return {"op": "gemv", "shape": shape, "projection": name, "N": N, "K": K, "us": us,
@@ -302,13 +305,13 @@ def main() -> None:
 
     if args.only in (None, "gemv"):
         print(f"\n{'shape':<13} {'projection':>10} {'N x K':>13} {'triton us (TB/s)':>18} {'cublas us (TB/s)':>18}"
-              f" {'triton, norm folded':>20}")
+              f" {'triton, norm folded':>20} {'norm and silu':>18}")
         for shape, projections in GEMV_SHAPES.items():
             for name in projections:
                 r = bench_gemv(shape, name)
                 rows.append(r)
                 cells = (f"{r['us'][k]:9.2f} ({r['tb_per_s'][k]:4.2f})" + " " * 3
-                         for k in ("triton", "cublas", "triton_norm") if k in r["us"])
+                         for k in ("triton", "cublas", "triton_norm", "triton_norm_silu") if k in r["us"])
                 print(f"{shape:<13} {name:>10} {r['N']:>6}x{r['K']:<6} " + " ".join(cells), flush=True)
 
     result = {
