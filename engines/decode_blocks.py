@@ -134,11 +134,10 @@ class GatedMLP(torch.nn.Module):
         self.gate = torch.compile(self._gate, dynamic=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if one_row(x):
-            if self.act is not None:
-                return self.down(gemv(x, self.weight, self.bias, self.norm, self.act))
-            return self.down(self.gate(gemv(x, self.weight, self.bias, self.norm)))
-        return self.down(self.gate(gemv(x, self.weight, self.bias)))
+        one = one_row(x)
+        if one and self.act is not None:
+            return self.down(gemv(x, self.weight, self.bias, self.norm, self.act))
+        return self.down(self.gate(gemv(x, self.weight, self.bias, self.norm if one else None)))
 
 
 def _gated_mlp(mlp: torch.nn.Module) -> GatedMLP | None:
