@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ class ResaKVLayer(StaticKVLayer):
     between steps, kernels/block_select)."""
 
     kscale: torch.Tensor | None = None
+    appending: torch.cuda.Stream | None = None  # the stream a decode step's K/V write runs on, until joined
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -69,10 +71,23 @@ class ResaKVLayer(StaticKVLayer):
         if not (owner.decoding and self.is_initialized and not self.is_sliding and key_states.shape[2] == 1) \
                 or owner.every_block_kept:
             return super().update(key_states, value_states, *args, **kwargs)
-        append_kv(self.keys, self.values, key_states, value_states, owner.position_on(self.device),
-                  descriptors=(self.kmax, self.kmin, None), length=owner.length_on(self.device),
-                  block_size=owner.block_size, fold_mean=owner.rule.centroid, descriptor_scale=self.kscale)
+        # On CUDA the write runs beside the selection, which reads neither the new K/V nor the descriptors of the
+        # local block it lands in: the attention joins it before the sparse kernel reads the kept blocks.
+        side = _side_stream(self.device) if self.device.type == "cuda" else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            append_kv(self.keys, self.values, key_states, value_states, owner.position_on(self.device),
+                      descriptors=(self.kmax, self.kmin, None), length=owner.length_on(self.device),
+                      block_size=owner.block_size, fold_mean=owner.rule.centroid, descriptor_scale=self.kscale)
+        self.appending = side
         return self.keys, self.values
+
+    def join_append(self) -> None:
+        """Order what follows on the current stream after this step's K/V write (see update)."""
+        if self.appending is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.appending)
+            self.appending = None
 
     def nbytes(self) -> int:
         extra = 0
@@ -129,6 +144,11 @@ class ResaState(DocumentState):
         self.rectify_s = 0.0
 
 
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
 def _describe(layer: ResaKVLayer, key: torch.Tensor, length: torch.Tensor, n_new: int, block_size: int) -> None:
     update_block_descriptors(key, layer.kmax, layer.kmin, length, n_new, block_size,
                              fold_mean=layer.owner.rule.centroid, scale=layer.kscale)
@@ -168,6 +188,7 @@ class ResaEngine(Engine):
                 _describe(layer, key, length, n_new, longctx.block_size)
             return out.transpose(1, 2), None
         if layer.is_sliding or n_new > 1 or longctx.every_block_kept:
+            layer.join_append()
             # Exact layers, the rectification pass (n_new tokens re-encoded densely), and every layer while every
             # block is kept (no descriptor reads then). Otherwise a decode step's token refreshed its block's
             # descriptors with its K/V write.
@@ -183,6 +204,7 @@ class ResaEngine(Engine):
                                rule=longctx.rule, width=longctx.width, scale=scaling, folded=longctx.rule.centroid,
                                histogram=layer.score_bins, descriptor_scale=layer.kscale, sync=layer.select_sync)
         start = _clock(longctx, "estimation_s", start)
+        layer.join_append()
         out = sparse_decode_attention(query[:, :, 0], key, value, blocks, length, block_size=longctx.block_size,
                                       scale=scaling)
         _clock(longctx, "sparse_attention_s", start)
