@@ -5,7 +5,7 @@
   the centroid's product from two descriptors instead of three, a third fewer bytes to read per step. With
   descriptor_dtype int8 they are int8 codes of a scale per block and KV head, rounded outwards: half the bytes.
 - Decode, on every full-attention layer: the new key updates its block's descriptors (in the launch that writes
-  its K/V, kernels/kv_append), the GQA group's mean query scores all blocks with Quest's bound and keeps the top
+  its K/V, kernels/kv_append; on CUDA beside the selection, on a side stream), the GQA group's mean query scores all blocks with Quest's bound and keeps the top
   k (the local blocks always; kernels/block_select), and attention reads only those blocks
   (kernels/sparse_decode_attention). Sliding-window layers (Gemma 3)
   stay exact: they already read only their window.
