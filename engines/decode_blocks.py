@@ -20,10 +20,10 @@ the model's own modules and its chunk shapes):
   8.60 -> 7.73 ms/token, 1,497 -> 1,017 kernels; benchmarks/profile_decode.py). The norms include those inside
   the attention (Qwen 3's and Gemma 3's per-head q_norm and k_norm: eagerly 16 kernels a layer) and the final
   one. Their shapes never change with the document, so one compilation serves every layer and document; the
-  attention (Triton launchers, the engine's cache state) stays eager. The rotary embedding, `apply_rotary_pos_emb` in the model's modeling
-  module, is compiled too: eagerly it is ~10 kernels per layer (~0.6 ms of an 8B step). The attention forward
-  looks that function up in its module's globals, so it is swapped there, as Liger Kernel patches it; the
-  model's classes are untouched.
+  attention (Triton launchers, the engine's cache state) stays eager. The rotary embedding,
+  `apply_rotary_pos_emb` in the model's modeling module, is compiled too: eagerly it is ~10 kernels per layer
+  (~0.6 ms of an 8B step). The attention forward looks that function up in its module's globals, so it is
+  swapped there, as Liger Kernel patches it; the model's classes are untouched.
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@
   the centroid's product from two descriptors instead of three, a third fewer bytes to read per step. With
   descriptor_dtype int8 they are int8 codes of a scale per block and KV head, rounded outwards: half the bytes.
 - Decode, on every full-attention layer: the new key updates its block's descriptors (in the launch that writes
-  its K/V, kernels/kv_append; on CUDA beside the selection, on a side stream), the GQA group's mean query scores all blocks with Quest's bound and keeps the top
-  k (the local blocks always; kernels/block_select), and attention reads only those blocks
-  (kernels/sparse_decode_attention). Sliding-window layers (Gemma 3)
-  stay exact: they already read only their window.
+  its K/V, kernels/kv_append; on CUDA on a side stream, beside the selection), the GQA group's mean query scores
+  all blocks with Quest's bound and keeps the top k (the local blocks always; kernels/block_select), and attention
+  reads only those blocks (kernels/sparse_decode_attention). Sliding-window layers (Gemma 3) stay exact: they
+  already read only their window.
 - Rectification: every `rectify_every` decoded tokens, those tokens go through the decoder layers again in one
   dense pass (kernels/decode_attention with T queries) that overwrites their K/V and descriptors; no logits are
   computed (no final norm, no LM head), and the pass ends once the last layer's K/V are written (its attention
