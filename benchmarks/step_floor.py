@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from engines.decoding import capture_graph
 from longctx_cli.models import load_config
 from longctx_cli.profiles import resolve_profile
 from longctx_cli.units import parse_count
@@ -88,15 +89,7 @@ def _graph(launches: list[tuple[torch.Tensor, int]], out: torch.Tensor, programs
             _read_kernel[(grid,)](view, out, n, stride, triton.cdiv(n, stride), BLOCK=_BLOCK, PDL=True,
                                   num_stages=3, launch_pdl=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph
+    return capture_graph(run, out.device)
 
 
 def _replay_ms(graph: torch.cuda.CUDAGraph, n: int = 50) -> float:
