@@ -12,8 +12,9 @@ the model's own modules and its chunk shapes):
   projection) run through kernels/gemv: on CUDA a Triton GEMV that streams the weight rows at more of the memory
   bandwidth than cuBLAS's one-row GEMMs (H200: Qwen3-1.7B's four 40.4 -> 31.5 us a layer, benchmarks/README.md).
 - Folds (with fused projections; engines/decode_folds.py): the Llama, Mistral and Qwen layers' two RMSNorms
-  computed inside the GEMVs they feed, Qwen 3's q/k norms inside the rotation, and a gated MLP's activation
-  formed by the gate/up GEMV as it stores: kernels, and the launch gaps before the GEMVs, a layer fewer.
+  computed inside the GEMVs they feed, Qwen 3's q/k norms inside the rotation, a gated MLP's activation
+  formed by the gate/up GEMV as it stores, and the MLP's residual add made by the down GEMV: kernels, and the
+  launch gaps before the GEMVs, a layer fewer.
 - Compiled blocks (run key `compile_decode`, off): the MLPs (with fused projections, their activation * up
   alone, for several rows) and norms under torch.compile with static shapes.
   Inductor fuses each RMSNorm (6-8 kernels) and the MLP's activation * up into one (H100, random 8B at 4K:
@@ -35,7 +36,7 @@ import weakref
 import torch
 
 from engines.decode_folds import (NORM_INTO_PROJECTIONS, NORMS_INTO_ROTARY, Noted, Passed, RotaryAfterNorms,
-                                  activation_name, llama_norm, one_row)
+                                  activation_name, llama_norm, one_row, residual_into_down)
 from kernels.gemv import gemv, gemv_backend
 
 _COMPILED_SUFFIXES = ("MLP", "RMSNorm")
@@ -123,6 +124,7 @@ class GatedMLP(torch.nn.Module):
         self.act_fn, self.down = mlp.act_fn, Projection(mlp.down_proj)
         self.weight, self.bias = weight, bias
         self.norm: tuple[torch.Tensor, float] | None = None  # the RMSNorm folded in (weight, eps), see Passed
+        self.residual: torch.Tensor | None = None  # added by the down GEMV, one row (decode_folds.residual_into_down)
         self.act = activation_name(mlp.act_fn, weight)
         self.gate = self._gate
 
@@ -136,8 +138,12 @@ class GatedMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         one = one_row(x)
         if one and self.act is not None:
-            return self.down(gemv(x, self.weight, self.bias, self.norm, self.act))
-        return self.down(self.gate(gemv(x, self.weight, self.bias, self.norm if one else None)))
+            hidden = gemv(x, self.weight, self.bias, self.norm, self.act)
+        else:
+            hidden = self.gate(gemv(x, self.weight, self.bias, self.norm if one else None))
+        if one and self.residual is not None:
+            return gemv(hidden, self.down.weight, self.down.bias, residual=self.residual)
+        return self.down(hidden)
 
 
 def _gated_mlp(mlp: torch.nn.Module) -> GatedMLP | None:
@@ -167,6 +173,7 @@ class DecodeBlocks:
         self.fused: set[str] = set()
         self.compiled = compile
         self.functions: list[tuple[object, str, object, object]] = []
+        self.forwards: list[tuple[torch.nn.Module, object]] = []  # layers' one-row forwards (_fold_residual)
         for layer in getattr(model.get_decoder(), "layers", None) or []:
             for name, child in layer.named_children():
                 replacement = child
@@ -189,6 +196,7 @@ class DecodeBlocks:
                     self.slots.append((layer, name, child, replacement))
             if fuse:
                 self._fold_norms(layer)
+                self._fold_residual(layer)
         if compile:
             self._compile_norms(model.get_decoder())  # the final norm, once per step
         # For the report: what the swapped-in projections run (none swapped: the model's own Linear modules).
@@ -215,6 +223,15 @@ class DecodeBlocks:
             self.slots = [slot for slot in self.slots if slot[:2] != (layer, name)]
             self.slots.append((layer, name, norm, Passed(several)))
             self.fused.add("norms")
+
+    def _fold_residual(self, layer: torch.nn.Module) -> None:
+        """The MLP's residual add made by its down GEMV (NORM_INTO_PROJECTIONS' layers whose forward is the class's:
+        one wrapped by hooks, such as accelerate's device moves, keeps its own)."""
+        mlp = next((r for parent, name, _, r in self.slots if parent is layer and name == "mlp"), None)
+        if type(layer).__name__ in NORM_INTO_PROJECTIONS and "forward" not in vars(layer) \
+                and isinstance(mlp, GatedMLP):
+            self.forwards.append((layer, residual_into_down(layer, mlp)))
+            self.fused.add("residual")
 
     def _defer_qk_norms(self, attn: torch.nn.Module, compile: bool) -> None:
         """attn's q_norm and k_norm applied by the rotation that follows them (NORMS_INTO_ROTARY's attentions)."""
@@ -260,10 +277,14 @@ class DecodeBlocks:
     def swapped(self):
         for parent, name, _, replacement in self.slots + self.functions:
             setattr(parent, name, replacement)
+        for layer, forward in self.forwards:
+            layer.forward = forward  # an instance attribute over the class's forward, deleted after
         try:
             yield
         finally:
             for parent, name, original, _ in self.slots + self.functions:
                 setattr(parent, name, original)
+            for layer, _ in self.forwards:
+                del layer.forward
             for shared in self.shared:
                 shared.clear()

@@ -126,12 +126,39 @@ def test_gemv_triton_gated_matches_fp32(monkeypatch, dtype, I, K, rows, act):
         assert err <= 2 * torch_err + 1e-5, f"{act} norm={norm is not None}: kernel {err:.2e} vs torch {torch_err:.2e}"
 
 
+@pytest.mark.parametrize("form", ["plain", "norm", "gated"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.triton
+def test_gemv_triton_adds_the_residual(dtype, form):
+    """residual + y with y rounded first, as the decoder layer adds two tensors: against the reference at the
+    kernel's dtype, the sum within one rounding of the kernel's y plus the residual (1000 outputs, K 640)."""
+    from kernels.gemv.triton import gemv_triton
+
+    if TRITON_DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter has no bfloat16")
+    torch.manual_seed(42)
+    rows = 2000 if form == "gated" else 1000
+    w = (torch.randn(rows, 640) * 640**-0.5).to(dtype).to(TRITON_DEVICE)
+    x = torch.randn(1, 1, 640).to(dtype).to(TRITON_DEVICE)
+    r = (8 * torch.randn(1, 1, 1000)).to(dtype).to(TRITON_DEVICE)
+    g = (1 + 0.2 * torch.randn(640)).to(dtype).to(TRITON_DEVICE)
+    kwargs = {"norm": (g, 1e-6)} if form == "norm" else {"act": "silu"} if form == "gated" else {}
+    y = gemv_triton(x, w, **kwargs)
+    out = gemv_triton(x, w, residual=r, **kwargs)
+    assert out.shape == r.shape and out.dtype == dtype
+    assert torch.equal(out, r + y)  # the kernel's own y, added and rounded as torch adds two tensors
+    with pytest.raises(ValueError, match="residual"):
+        gemv_triton(x, w, residual=r[..., :10], **kwargs)
+
+
 def test_gemv_gated_off_the_kernels_path():
-    """CPU: F.linear, then act(gate) * up over its two halves."""
+    """CPU: F.linear, then act(gate) * up over its two halves; the residual added last."""
     x, w = torch.randn(1, 1, 40), torch.randn(48, 40)
     y = F.linear(x, w)
     assert torch.equal(gemv(x, w, None, None, "silu"), F.silu(y[..., :24]) * y[..., 24:])
     assert torch.equal(gemv(x, w, None, None, "gelu_tanh"), F.gelu(y[..., :24], approximate="tanh") * y[..., 24:])
+    r = torch.randn(1, 1, 48)
+    assert torch.equal(gemv(x, w, residual=r), r + y)
 
 
 def test_gemv_triton_refuses_what_it_cannot_take():

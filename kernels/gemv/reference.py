@@ -1,5 +1,5 @@
 """Reference GEMV: torch's linear (CPU path, test oracle, and every call the Triton kernel does not take), with
-the RMSNorm a decode step may fold into it and the gated MLP's activation it may form."""
+what a decode step may fold into it: the RMSNorm before, the gated MLP's activation and the residual add after."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tan
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         norm: tuple[torch.Tensor, float] | None = None, act: str | None = None) -> torch.Tensor:
+         norm: tuple[torch.Tensor, float] | None = None, act: str | None = None,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
     """See kernels.gemv.gemv."""
     if norm is not None:
         x = rms_norm(x, *norm)
     y = F.linear(x, weight, bias)
-    if act is None:
-        return y
-    gate, up = y.chunk(2, dim=-1)
-    return ACTIVATIONS[act](gate) * up
+    if act is not None:
+        gate, up = y.chunk(2, dim=-1)
+        y = ACTIVATIONS[act](gate) * up
+    return y if residual is None else residual + y

@@ -13,7 +13,8 @@ before gate/up) is folded in: each program reads the whole row once for its RMS 
 needs no kernel of its own, nor the gap before the GEMV that a kernel without programmatic launch leaves.
 With `act` the weight is a gated MLP's gate and up projections stacked ([2I, K]) and the kernel returns act(gate) *
 up ([I]): a program's rows are half gate rows and the matching up rows, and it forms the product as it stores, so
-the activation needs no kernel either, and the down projection's input is ready when the GEMV ends.
+the activation needs no kernel either, and the down projection's input is ready when the GEMV ends. With
+`residual` the kernel adds the decoder layer's residual stream to what it stores (the o and down projections).
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ def _activation(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _gemv_fwd_kernel(X, W, B, Y, G, N, K, eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gemv_fwd_kernel(X, W, B, Y, G, R, N, K, eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, NORM: tl.constexpr, K_ALL: tl.constexpr, ACT: tl.constexpr,
-                     PDL: tl.constexpr):
+                     RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     local = tl.arange(0, BLOCK_N)
     if ACT:
         # Gated: the first half of the program's rows are gate rows, the second half the up rows of the same
@@ -101,11 +102,15 @@ def _gemv_fwd_kernel(X, W, B, Y, G, N, K, eps, HAS_BIAS: tl.constexpr, BLOCK_N: 
         y = _activation(gate, ACT).to(Y.dtype.element_ty).to(tl.float32) * up
         rows = tl.program_id(0) * HALF + tl.arange(0, HALF)
         in_rows = rows < N // 2
+    if RESIDUAL:
+        # The decoder layer's residual + output, rounded as transformers' add of two tensors in the model's dtype.
+        y = y.to(Y.dtype.element_ty).to(tl.float32) + tl.load(R + rows, mask=in_rows, other=0.0).to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=in_rows)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                norm: tuple[torch.Tensor, float] | None = None, act: str | None = None) -> torch.Tensor:
+                norm: tuple[torch.Tensor, float] | None = None, act: str | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.gemv for one row: x [..., K] with x.numel() == K; CUDA-graph capturable."""
     if weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(f"expected a contiguous weight [N, K], got {tuple(weight.shape)} strides {weight.stride()}")
@@ -120,19 +125,24 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     g, eps = norm if norm is not None else (None, 0.0)
     if g is not None and (g.shape != (K,) or g.dtype != weight.dtype or not g.is_contiguous()):
         raise ValueError(f"expected a contiguous norm weight [{K}] in {weight.dtype}, got {tuple(g.shape)} {g.dtype}")
+    out = N // 2 if act else N
+    if residual is not None and (residual.numel() != out or residual.dtype != x.dtype or not residual.is_contiguous()):
+        raise ValueError(f"expected a contiguous residual of {out} values in {x.dtype}, got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
     x = x.contiguous()
-    operands = (("x", x), ("weight", weight), ("bias", bias), ("norm weight", g))
+    operands = (("x", x), ("weight", weight), ("bias", bias), ("norm weight", g), ("residual", residual))
     for name, t in operands:
         if t is not None:
             check_device(name, t, weight.device)
-    y = torch.empty(*x.shape[:-1], N // 2 if act else N, device=x.device, dtype=x.dtype)
+    y = torch.empty(*x.shape[:-1], out, device=x.device, dtype=x.dtype)
     rows, step, warps = TUNED.get((N, K), (BLOCK_N, BLOCK_K, NUM_WARPS))
     pdl = use_pdl(weight.device)
     with launch_context(weight.device):
         _gemv_fwd_kernel[(triton.cdiv(N, rows),)](
-            x, weight, bias if bias is not None else weight, y, g if g is not None else weight, N, K, float(eps),
+            x, weight, bias if bias is not None else weight, y, g if g is not None else weight,
+            residual if residual is not None else weight, N, K, float(eps),
             HAS_BIAS=bias is not None, BLOCK_N=rows, BLOCK_K=step, NORM=g is not None,
-            K_ALL=triton.next_power_of_2(K) if g is not None else 1, ACT=ACTIVATIONS.get(act, 0), PDL=pdl,
-            launch_pdl=pdl, num_warps=warps, num_stages=NUM_STAGES,
+            K_ALL=triton.next_power_of_2(K) if g is not None else 1, ACT=ACTIVATIONS.get(act, 0),
+            RESIDUAL=residual is not None, PDL=pdl, launch_pdl=pdl, num_warps=warps, num_stages=NUM_STAGES,
         )
     return y
