@@ -144,6 +144,16 @@ class ResaState(DocumentState):
         self.rectify_s = 0.0
 
 
+def events_seconds(events: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
+    """Seconds between each (begin, end) pair of timing events, summed. Waits for each end first: an answer that
+    stops on the step that launched a rectification is reported while that rectification still runs."""
+    total_ms = 0.0
+    for begin, end in events:
+        end.synchronize()
+        total_ms += begin.elapsed_time(end)
+    return total_ms / 1000
+
+
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
@@ -350,7 +360,7 @@ class ResaEngine(Engine):
                "selection_width_blocks": state.cache.width}
         if not state.steps:
             return out
-        rectify_s = state.rectify_s + sum(b.elapsed_time(e) for b, e in state.rectify_events) / 1000
+        rectify_s = state.rectify_s + events_seconds(state.rectify_events)
         n_blocks = cdiv(state.position, self.config.block_size)
         kept = self.config.rule.keep(n_blocks)
         if state.cache.every_block_kept:

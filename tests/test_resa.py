@@ -243,3 +243,17 @@ def test_gpu_every_block_kept_decodes_like_dense():
     assert resa == dense
     counters = engine.counters(state)
     assert counters["rectifications"] == 0 and "no selection" in counters["resa_decode"]
+
+
+@pytest.mark.gpu
+def test_gpu_rectification_time_waits_for_a_running_rectification():
+    """The report may be taken while the last rectification still runs (an answer that stops on the step that
+    launched it): its time is waited for, not an error."""
+    from engines.resa import events_seconds
+
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles, still running when the events are read
+    end.record()
+    assert not end.query()
+    assert events_seconds([(begin, end)]) > 0.01
