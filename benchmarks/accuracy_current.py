@@ -32,7 +32,7 @@ _SHORT = (2048, 4096, 8192)
 SOURCES = {
     _Q: ("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_resa_min512_star_min16k.json", [
         ("resa", [("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_resa_min512_star_min16k.json", "resa", _SHORT),
-                  ("2026-11-28_h200_accuracy_qwen2.5-coder-0.5b_resa_32k_int8_binned.json", "resa", None)],
+                  ("2026-11-29_h200_accuracy_qwen2.5-coder-0.5b_resa_32k.json", "resa", None)],
          {(t, 16384) for t in TASKS}),
         ("star", [("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_resa_min512_star_min16k.json", "star", None)],
          set()),
@@ -49,7 +49,7 @@ SOURCES = {
     _G: ("2026-11-24_h100_accuracy_grid_gemma3-270m_resa_min512_star_min16k_sas.json", [
         ("resa", [("2026-11-24_h100_accuracy_grid_gemma3-270m_resa_min512_star_min16k_sas.json", "resa", _SHORT),
                   ("2026-11-25_h100_accuracy_gemma3-270m_resa_star_singles_16k_32k.json", "resa", None),
-                  ("2026-11-28_h200_accuracy_gemma3-270m_resa_32k_single_needles_seeds0-2_int8_binned.json", "resa",
+                  ("2026-11-29_h200_accuracy_gemma3-270m_resa_32k_single_needles_seeds0-2.json", "resa",
                    None)],
          {(t, 16384) for t in TASKS[3:]}),
         ("star", [("2026-11-24_h100_accuracy_grid_gemma3-270m_resa_min512_star_min16k_sas.json", "star", None),
