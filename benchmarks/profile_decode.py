@@ -8,7 +8,9 @@ kernel boundaries cost). --compile blocks is the profile key compile_decode (the
 inside the captured step); --compile layer, an experiment, compiles whole decoder layers with the attention
 left eager (a graph break), for prefill too. --trace N profiles N replays of the captured step itself: each
 kernel's time inside the graph, by family (GEMMs, compiled kernels, each of the project's kernels), the time
-no kernel ran, and which kernels that idle time lies between.
+no kernel ran, and which kernels that idle time lies between. --selection-phases N (resa, softmax pooling) stamps
+the one-launch selection's programs at its phase boundaries inside the captured step (GPU global timer) and
+summarises N replays: how long each phase and each barrier takes within the step, a profiler seeing one kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from engines import ENGINES
 from engines.decoding import Sampler, swapped
+from kernels.block_select import record_phases
 from longctx_cli.home import longctx_home
 from longctx_cli.models import load_model
 from longctx_cli.units import parse_count
@@ -106,6 +109,37 @@ def _replay_trace(replay, n: int) -> dict:
             "kernels": rows}
 
 
+def selection_breakdown(stamps: torch.Tensor) -> dict:
+    """Where one selection's time goes, in µs, from its programs' stamps [rows, parts, len(PHASE_STAMPS)] (ns):
+    early = resident before the kernel ahead finished (programmatic launch); from that kernel's end, each phase's
+    work (the median program and the slowest) and each barrier's wait (from a row's last arrival to its first
+    program passing, and the arrivals' spread apart, averaged over rows); total = to the last program's end."""
+    s = stamps.double() / 1e3
+    out = {"early": (s[..., 1].amin() - s[..., 0].amin()).item(),
+           "total_from_dependency": (s[..., 8].amax() - s[..., 1].amax()).item()}
+    for k, (begin, done) in enumerate(((1, 2), (3, 4), (5, 6), (7, 8)), start=1):
+        work = (s[..., done] - s[..., begin]).flatten()
+        out[f"phase{k}_median"], out[f"phase{k}_slowest"] = work.median().item(), work.max().item()
+    for k, (reached, passed) in enumerate(((2, 3), (4, 5), (6, 7)), start=1):
+        out[f"barrier{k}_release"] = (s[..., passed].amin(1) - s[..., reached].amax(1)).mean().item()
+        out[f"barrier{k}_spread"] = (s[..., reached].amax(1) - s[..., reached].amin(1)).mean().item()
+    return out
+
+
+def _selection_phases(replay, stamps: dict, n: int) -> dict:
+    """selection_breakdown averaged over `n` replays of the step and its selections (one a layer)."""
+    sums: dict[str, float] = {}
+    count = 0
+    for _ in range(n):
+        replay()
+        torch.cuda.synchronize()
+        for buffer in stamps.values():
+            for key, value in selection_breakdown(buffer.cpu()).items():
+                sums[key] = sums.get(key, 0.0) + value
+            count += 1
+    return {"selections": count, **{k: round(v / max(1, count), 2) for k, v in sums.items()}}
+
+
 def _replay_ms(replay, n: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -128,8 +162,13 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--trace", type=int, default=0, metavar="N",
                     help="also profile N graph replays: kernel times inside the graph and the idle time between")
+    ap.add_argument("--selection-phases", type=int, default=0, metavar="N",
+                    help="resa: stamp the one-launch selection's phases inside the captured step, N replays")
     ap.add_argument("--out", help="append the JSON row to this file (one object per line)")
     args = ap.parse_args()
+    stamps: dict = {}
+    if args.selection_phases:
+        record_phases(stamps)  # before the capture: the captured selections write these stamps at each replay
     lm = load_model(args.model, device="cuda", dtype="bfloat16")
     prof = resolve_profile(args.profile, {"compile_decode": args.compile == "blocks",
                                           "fuse_projections": not args.no_fuse})
@@ -152,6 +191,11 @@ def main() -> None:
         result["graph_ms_per_token"] = _replay_ms(step.step, args.steps)
         if args.trace:
             result["graph_trace"] = _replay_trace(step.step, args.trace)
+        if args.selection_phases:
+            if not stamps:
+                raise SystemExit("no one-launch selection ran in the step (resa with softmax pooling only)")
+            result["selection_phases_us"] = _selection_phases(step.step, stamps, args.selection_phases)
+            result["selection_phases_note"] = "the step's times above were taken with the stamps on"
         kernel_ms, count, top, table = _kernel_table(step._step, step.blocks, args.rows)
         print(table)
         result.update(eager_kernel_ms=kernel_ms, kernels=count, top_kernels=top)

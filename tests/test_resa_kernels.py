@@ -692,6 +692,59 @@ def test_select_triton_fused_equals_one_program_a_row(monkeypatch, n_blocks, par
         assert torch.equal(triton_select.select_blocks_triton(*args, histogram=histogram, sync=sync, **kw), got)
 
 
+@pytest.mark.triton
+def test_phase_stamps_refuse_the_phases_as_separate_launches(monkeypatch):
+    """Phase stamps time the one launch; asked for where the phases run as separate launches (the interpreter,
+    _FUSED_SPLIT) the selection says so instead of stamping part of them."""
+    import kernels.block_select.triton as triton_select
+    from kernels.block_select import record_phases
+
+    monkeypatch.setattr(triton_select, "_FUSED_SPLIT", True)
+    monkeypatch.setattr(triton_select, "_STAMPS", None)  # restored after the test
+    q, _, _, kmax, kmin, length = _problem(1, 2, 300, 64, torch.float32)
+    rule = KeepRule(0.1, 16, 1, 1, pooling="softmax")
+    record_phases({})
+    with pytest.raises(RuntimeError, match="one launch with every phase"):
+        triton_select.select_blocks_triton(q, kmax, kmin, length, block_size=BS, rule=rule,
+                                           width=rule.keep(kmax.shape[2]), histogram=new_histogram(1, 2, DEVICE),
+                                           sync=new_sync(1, 2, DEVICE))
+
+
+@pytest.mark.gpu
+def test_phase_stamps_show_the_barriers_holding_and_change_no_result():
+    """With phase stamps (record_phases) the one launch keeps the same blocks; each program's stamps rise through
+    PHASE_STAMPS, and no program of a row passes a barrier before the row's last program has reached it."""
+    from kernels.block_select import PHASE_STAMPS, record_phases
+
+    q, _, _, kmax, kmin, length = _problem(2, 2, 32768, 128, torch.bfloat16)
+    rule = KeepRule(0.1, 16, 1, 1, pooling="softmax")
+    kw = dict(block_size=BS, rule=rule, width=rule.keep(kmax.shape[2]), scale=128**-0.5,
+              histogram=new_histogram(2, 2, "cuda"), sync=new_sync(2, 2, "cuda"))
+    plain = select_blocks(q, kmax, kmin, length, **kw)
+    stamps = {}
+    record_phases(stamps)
+    try:
+        got = select_blocks(q, kmax, kmin, length, **kw)
+    finally:
+        record_phases(None)
+    assert torch.equal(got, plain) and barrier_timeouts(kw["sync"]) == 0
+    (s,) = stamps.values()
+    s = s.cpu()
+    assert s.shape[0] == 4 and s.shape[1] > 1 and s.shape[2] == len(PHASE_STAMPS)
+    assert (s > 0).all() and (s.diff(dim=2) >= 0).all()
+    for reached, passed in ((2, 3), (4, 5), (6, 7)):
+        assert (s[:, :, passed].amin(1) >= s[:, :, reached].amax(1)).all()
+
+
+def test_phase_stamps_need_triton():
+    if importlib.util.find_spec("triton") is not None:
+        pytest.skip("Triton is installed: the stamps' own tests run")
+    from kernels.block_select import record_phases
+
+    with pytest.raises(RuntimeError, match="need Triton"):
+        record_phases({})
+
+
 def test_select_dispatch_takes_the_histogram_and_validates_it():
     """The reference ignores the histogram; the Triton launcher refuses one of the wrong shape or dtype."""
     q, _, _, kmax, kmin, length = _problem(1, 2, 300, 64, torch.float32)

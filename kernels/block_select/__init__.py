@@ -16,11 +16,12 @@ import functools
 
 import torch
 
-from kernels.block_select.reference import HIST_BINS, POOLINGS, SYNC_WORDS, KeepRule, block_scores, score_bins
+from kernels.block_select.reference import (HIST_BINS, PHASE_STAMPS, POOLINGS, SYNC_WORDS, KeepRule, block_scores,
+                                            score_bins)
 from kernels.block_select.reference import select_blocks as select_blocks_reference
 
-__all__ = ["HIST_BINS", "POOLINGS", "SYNC_WORDS", "KeepRule", "barrier_timeouts", "block_scores", "new_histogram",
-           "new_sync", "score_bins", "select_blocks", "select_blocks_reference"]
+__all__ = ["HIST_BINS", "PHASE_STAMPS", "POOLINGS", "SYNC_WORDS", "KeepRule", "barrier_timeouts", "block_scores",
+           "new_histogram", "new_sync", "record_phases", "score_bins", "select_blocks", "select_blocks_reference"]
 
 
 @functools.cache
@@ -77,3 +78,17 @@ def barrier_timeouts(sync: torch.Tensor) -> int:
     """How many times a program of the fused selection stopped waiting for the rest of its row (0 unless the
     device could not run a row's programs at once; the selection of such a call is not to be trusted)."""
     return int(sync[..., 2].sum())
+
+
+def record_phases(stamps: dict | None) -> None:
+    """Diagnostics on a GPU: with a dict, every later one-launch selection (softmax pooling with the histogram and
+    the sync words) stamps each program's phases with the GPU's global timer, in ns (PHASE_STAMPS, in order), into
+    stamps[sync.data_ptr()], an int64 tensor [B * Hkv, parts, len(PHASE_STAMPS)]: one per sync-words tensor, i.e.
+    per layer, written again at each call (a captured graph keeps writing the tensor it was captured with).
+    Set it before capturing. None stops the stamping for later calls and captures."""
+    impl = _triton_impl()
+    if impl is None:
+        raise RuntimeError("phase stamps need Triton")
+    import kernels.block_select.triton as triton_select
+
+    triton_select._STAMPS = stamps

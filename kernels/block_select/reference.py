@@ -16,6 +16,10 @@ POOLINGS = ("mean", "softmax")
 HIST_BINS = 4096
 # Words per (batch, kv head) of the scratch where the Triton selection's programs of one row meet (triton_fused.py).
 SYNC_WORDS = 4
+# What each program of the one-launch selection stamps with the GPU's global timer when asked to (triton_fused.py;
+# diagnostics: kernels.block_select.record_phases), in this order.
+PHASE_STAMPS = ("start", "dependency met", "bounds done", "barrier 1 passed", "scores counted", "barrier 2 passed",
+                "counts done", "barrier 3 passed", "end")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import triton
 
 from kernels._gdc import use_pdl
 from kernels._triton_common import INTERPRET, check_device, launch_context, sm_count
-from kernels.block_select.reference import SYNC_WORDS, KeepRule, score_bins
+from kernels.block_select.reference import PHASE_STAMPS, SYNC_WORDS, KeepRule, score_bins
 from kernels.block_select.triton_fused import _fused_select_kernel
 from kernels.block_select.triton_scores import _block_scores_kernel, _head_bounds_kernel, _softmax_pool_kernel
 from kernels.block_select.triton_topk import HIST_BINS, _block_topk_kernel, _block_topk_resident_kernel
@@ -43,6 +43,9 @@ _FUSED_SPLIT = False
 _FUSED_WARPS = 4
 _FUSED_STAGES = 3  # software pipelining of the bounds' loop over a part's tiles
 _FUSED_LAST = 4  # the last phase run (benchmarks time the phases by stopping early; the output is then unset)
+# Diagnostics (kernels.block_select.record_phases): when a dict, each one-launch selection stamps its programs'
+# phases into an int64 tensor [rows, parts, len(PHASE_STAMPS)] kept there by its sync words' address (one a layer).
+_STAMPS: dict | None = None
 _LOG2E = 1.4426950408889634
 
 
@@ -50,20 +53,26 @@ _LOG2E = 1.4426950408889634
 _RESIDENT: dict = {}
 
 
-def _launch_fused(fused_args, histogram: torch.Tensor, options: dict, rows: int, n_tiles: int) -> None:
-    """Launch _fused_select_kernel over `rows` rows in parts; fused_args(parts, n_sub) gives its arguments for
-    that split (n_sub tiles a part). The parts come from _FUSED_PROGRAMS_PER_SM, lowered until the compiled
+def _launch_fused(fused_args, histogram: torch.Tensor, sync: torch.Tensor, options: dict, rows: int,
+                  n_tiles: int) -> None:
+    """Launch _fused_select_kernel over `rows` rows in parts; fused_args(parts, n_sub, stamps) gives its arguments
+    for that split (n_sub tiles a part). The parts come from _FUSED_PROGRAMS_PER_SM, lowered until the compiled
     kernel fits that many programs on an SM at once, so that a row's programs can meet."""
     device = histogram.device
     per_sm = _FUSED_PROGRAMS_PER_SM
+    split = _FUSED_SPLIT or INTERPRET
+    if _STAMPS is not None and (split or _FUSED_LAST != 4):
+        raise RuntimeError("phase stamps need the selection's one launch with every phase, on a GPU")
     while True:
         parts = _FUSED_PARTS or max(1, sm_count(device) * per_sm // rows)
         n_sub = triton.cdiv(n_tiles, min(parts, n_tiles))
         parts = triton.cdiv(n_tiles, n_sub)
-        args = fused_args(parts, n_sub)
+        stamps = _stamps(sync, rows, parts)
+        args = fused_args(parts, n_sub, stamps if stamps is not None else sync)
         kw = dict(options, P_PAD=max(16, triton.next_power_of_2(parts)), STAGES=_FUSED_STAGES,
-                  HIST_SLICE=max(16, triton.next_power_of_2(triton.cdiv(HIST_BINS, parts))), num_warps=_FUSED_WARPS)
-        if parts == 1 or INTERPRET or _FUSED_SPLIT or per_sm == 1 or _holds(device, args, kw, rows) >= per_sm:
+                  HIST_SLICE=max(16, triton.next_power_of_2(triton.cdiv(HIST_BINS, parts))), num_warps=_FUSED_WARPS,
+                  STAMPS=stamps is not None)
+        if parts == 1 or split or per_sm == 1 or _holds(device, args, kw, rows) >= per_sm:
             break
         per_sm -= 1
     # One launch; phase by phase where a row's programs cannot meet (the interpreter runs them in turn).
@@ -72,6 +81,16 @@ def _launch_fused(fused_args, histogram: torch.Tensor, options: dict, rows: int,
         _fused_select_kernel[(rows, parts)](*args, **kw, FIRST=first, LAST=last)
     if split:
         histogram.zero_()  # as the one launch leaves it
+
+
+def _stamps(sync: torch.Tensor, rows: int, parts: int) -> torch.Tensor | None:
+    if _STAMPS is None:
+        return None
+    buffer = _STAMPS.get(sync.data_ptr())
+    if buffer is None or buffer.shape[:2] != (rows, parts):
+        buffer = _STAMPS[sync.data_ptr()] = torch.zeros(rows, parts, len(PHASE_STAMPS), dtype=torch.int64,
+                                                        device=sync.device)
+    return buffer
 
 
 def _holds(device: torch.device, args: tuple, kw: dict, rows: int) -> int:
@@ -177,17 +196,17 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     if softmax and hist and sync is not None and NB < 65536:
         bounds = torch.empty(B, Hkv, group, NB, device=q.device, dtype=torch.float32)
 
-        def fused_args(parts: int, n_sub: int) -> tuple:
+        def fused_args(parts: int, n_sub: int, stamps: torch.Tensor) -> tuple:
             # Scratch: each head's scaled bounds; per part each head's max and sum of exp2, and its packed counts.
             part_max = torch.empty(B * Hkv * group, parts, device=q.device, dtype=torch.float32)
             counts = torch.empty(B * Hkv, parts, device=q.device, dtype=torch.int32)
             return (*bounds_args, bounds, part_max, torch.empty_like(part_max), scores, histogram, counts, sync, out,
-                    Hkv, NB, parts, n_sub, width, num, den, rule.min_blocks, rule.local_blocks, rule.sink_blocks,
-                    scale * _LOG2E, *bounds_tail)
+                    stamps, Hkv, NB, parts, n_sub, width, num, den, rule.min_blocks, rule.local_blocks,
+                    rule.sink_blocks, scale * _LOG2E, *bounds_tail)
 
         with launch_context(q.device):
-            _launch_fused(fused_args, histogram, dict(bounds_options, W_PAD=w_pad, SHIFT=shift, BASE=base, PDL=pdl,
-                                                      launch_pdl=pdl), B * Hkv, n_tiles)
+            options = dict(bounds_options, W_PAD=w_pad, SHIFT=shift, BASE=base, PDL=pdl, launch_pdl=pdl)
+            _launch_fused(fused_args, histogram, sync, options, B * Hkv, n_tiles)
         return out
     with launch_context(q.device):
         if softmax:

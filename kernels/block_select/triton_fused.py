@@ -13,6 +13,10 @@ programs meet between them at a barrier in global memory (`row_barrier`):
 4. the part's kept blocks written at their places (the counts of the parts before it), -1 past k, and its slice
    of the histogram zeroed again (a call leaves the histogram as the separate launches do: zeroed).
 
+With STAMPS each program also writes the GPU's global timer (ns) at its start, when the kernel before it is done,
+and at each phase's end and each barrier's passing (reference.PHASE_STAMPS): where the launch's time goes inside a
+captured step, which a profiler sees only as one kernel.
+
 A barrier only works if every program of the row is resident at once: the launcher starts no more programs than
 the device holds at once (from the compiled kernel's registers and shared memory), and a program waits a bounded
 number of polls before it gives up and records that in the row's sync words (`barrier_timeouts`; with 4
@@ -26,9 +30,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
 from kernels._gdc import grid_dependency_wait
-from kernels.block_select.reference import HIST_BINS, SYNC_WORDS
+from kernels.block_select.reference import HIST_BINS, PHASE_STAMPS, SYNC_WORDS
 from kernels.block_select.triton_scores import pool_scores, tile_bounds
 from kernels.block_select.triton_topk import (_above_and_ties, _bin_of, _head_and_k, _int_key, _store_taken,
                                               count_score_bins)
@@ -40,6 +45,14 @@ if HIST_BINS != 64 * 64:
 # A row's sync words (reference.SYNC_WORDS): arrivals and generation, unused, barriers given up, unused.
 _SYNC_WORDS = tl.constexpr(SYNC_WORDS)
 _MAX_POLLS = tl.constexpr(1 << 22)  # about a second of polling: far past any phase's time, short of a hang
+_N_STAMPS = tl.constexpr(len(PHASE_STAMPS))
+
+
+@triton.jit
+def _stamp(Stamps, slot: tl.constexpr, pid_bh, part, n_programs, STAMPS: tl.constexpr):
+    """Stamps [rows, n_programs, len(PHASE_STAMPS)] int64: the global timer at this program's `slot`."""
+    if STAMPS:
+        tl.store(Stamps + (pid_bh * n_programs + part) * _N_STAMPS + slot, globaltimer())
 
 
 @triton.jit
@@ -96,19 +109,22 @@ def _part_keys(Scores, pid_bh, offs, n_blocks, n_blocks_cap, thr, SHIFT: tl.cons
 
 @triton.jit
 def _fused_select_kernel(
-    Q, Kmax, Kmin, Kmean, Scale, Length, Bounds, PartMax, PartSum, Scores, Hist, Counts, Sync, Out,
+    Q, Kmax, Kmin, Kmean, Scale, Length, Bounds, PartMax, PartSum, Scores, Hist, Counts, Sync, Out, Stamps,
     n_kv_heads, n_blocks_cap, n_programs, n_sub, width, ratio_num, ratio_den, min_blocks, local_blocks, sink_blocks,
     scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb, stride_sh,
     GROUP: tl.constexpr, G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
     CENTROID: tl.constexpr, FOLDED: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, P_PAD: tl.constexpr,
     HIST_SLICE: tl.constexpr, W_PAD: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr, FIRST: tl.constexpr,
-    LAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    LAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, STAMPS: tl.constexpr,
 ):
     """Out [B * Hkv, width] int32 from q [B, Hq, D] and the descriptors; program (row, part) covers the n_sub tiles
-    of TILE blocks from part * n_sub. Phases FIRST..LAST run in this launch (1..4: all of them)."""
+    of TILE blocks from part * n_sub. Phases FIRST..LAST run in this launch (1..4: all of them); STAMPS only with
+    all of them."""
+    part = tl.program_id(1)
+    _stamp(Stamps, 0, tl.program_id(0), part, n_programs, STAMPS)
     grid_dependency_wait(PDL)
     pid_bh, n_blocks, k = _head_and_k(Length, ratio_num, ratio_den, min_blocks, n_kv_heads, BLOCK)
-    part = tl.program_id(1)
+    _stamp(Stamps, 1, pid_bh, part, n_programs, STAMPS)
     b = pid_bh // n_kv_heads
     h = pid_bh % n_kv_heads
     first_block = part.to(tl.int64) * n_sub * TILE
@@ -132,8 +148,10 @@ def _fused_select_kernel(
             m_run = m_new
         tl.store(PartMax + rows * n_programs + part, m_run, mask=heads)
         tl.store(PartSum + rows * n_programs + part, z_run, mask=heads)
+        _stamp(Stamps, 2, pid_bh, part, n_programs, STAMPS)
         if LAST >= 2:
             row_barrier(Sync, pid_bh, n_programs)
+            _stamp(Stamps, 3, pid_bh, part, n_programs, STAMPS)
     if FIRST <= 2 and LAST >= 2:
         for t in range(n_sub):
             offs = first_block + t * TILE + tl.arange(0, TILE)
@@ -141,8 +159,10 @@ def _fused_select_kernel(
                               local_blocks, sink_blocks, GROUP, P_PAD)
             tl.store(Scores + pid_bh * n_blocks_cap + offs, acc, mask=offs < n_blocks_cap)
             count_score_bins(Hist, pid_bh, acc, offs < n_blocks, SHIFT, BASE)
+        _stamp(Stamps, 4, pid_bh, part, n_programs, STAMPS)
         if LAST >= 3:
             row_barrier(Sync, pid_bh, n_programs)
+            _stamp(Stamps, 5, pid_bh, part, n_programs, STAMPS)
     if FIRST <= 3 and LAST >= 3:
         thr, above = _kth_bin(Hist, pid_bh, k)
         packed = tl.zeros([], tl.uint32)
@@ -151,8 +171,10 @@ def _fused_select_kernel(
             _, _, both = _part_keys(Scores, pid_bh, offs, n_blocks, n_blocks_cap, thr, SHIFT, BASE)
             packed += tl.sum(both, 0)
         tl.store(Counts + pid_bh * n_programs + part, packed.to(tl.int32, bitcast=True))
+        _stamp(Stamps, 6, pid_bh, part, n_programs, STAMPS)
         if LAST >= 4:
             row_barrier(Sync, pid_bh, n_programs)
+            _stamp(Stamps, 7, pid_bh, part, n_programs, STAMPS)
     if LAST >= 4:
         if FIRST == 4:
             thr, above = _kth_bin(Hist, pid_bh, k)
@@ -172,3 +194,4 @@ def _fused_select_kernel(
         if part == 0:
             offs_w = tl.arange(0, W_PAD)
             tl.store(out_row + offs_w, tl.full([W_PAD], -1, tl.int32), mask=(offs_w >= k) & (offs_w < width))
+        _stamp(Stamps, 8, pid_bh, part, n_programs, STAMPS)
