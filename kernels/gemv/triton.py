@@ -14,7 +14,8 @@ needs no kernel of its own, nor the gap before the GEMV that a kernel without pr
 With `act` the weight is a gated MLP's gate and up projections stacked ([2I, K]) and the kernel returns act(gate) *
 up ([I]): a program's rows are half gate rows and the matching up rows, and it forms the product as it stores, so
 the activation needs no kernel either, and the down projection's input is ready when the GEMV ends. With
-`residual` the kernel adds the decoder layer's residual stream to what it stores (the o and down projections).
+`residual` the kernel adds the decoder layer's residual stream to what it stores (the MLP's down projection in a
+decode step: engines/decode_folds.residual_into_down).
 """
 
 from __future__ import annotations
