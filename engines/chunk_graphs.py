@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from engines.streams import side_stream
+
 # Full chunks a prefill needs before its work is captured: a capture took 0.7-3.4 ms on an H200 (the eager run it
 # starts with included), the host time of 20-40 eager calls of a norm (8 operations of 10-11 us).
 PAYBACK_CHUNKS = 32
@@ -31,18 +33,11 @@ PAYBACK_CHUNKS = 32
 # Per device, a live graph whose memory pool the next capture shares. A pool lives as long as a graph captured into
 # it: once every such graph is gone, a capture starts a new pool (PyTorch refuses a handle whose graphs all died).
 _POOL_OWNERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _pool(device: torch.device) -> tuple | None:
     owner = _POOL_OWNERS.get(device)
     return owner.graph.pool() if owner is not None else None
-
-
-def _stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
 
 
 def graphable(*tensors: torch.Tensor) -> bool:
@@ -91,7 +86,7 @@ class ChunkGraph:
     def _capture(self, inputs):
         device = inputs[0].device
         current = torch.cuda.current_stream(device)
-        side = _stream(device)
+        side = side_stream(device, "chunk-capture")
         key = self._key(inputs)
         if self.shared is None:
             self.inputs = [t.clone() for t in inputs]

@@ -10,6 +10,7 @@ import torch
 
 from engines.decode_blocks import DecodeBlocks
 from engines.segments import SegmentedRun
+from engines.streams import side_stream
 
 
 @dataclass
@@ -50,7 +51,7 @@ def capture_graph(run, device: torch.device) -> torch.cuda.CUDAGraph:
 
     The warm-up run executes (and writes whatever `run` writes); the capture does not.
     """
-    side = torch.cuda.Stream(device)
+    side = side_stream(device, "capture")
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         run()

@@ -30,6 +30,7 @@ from engines.base import DocumentState, Engine, KVWritten
 from engines.config import ResaConfig
 from engines.cache import StaticKVCache, StaticKVLayer, full_layers, kv_token_bytes, layer_types
 from engines.decoding import StaticForward
+from engines.streams import side_stream
 from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors
 from kernels.block_select import HIST_BINS, SYNC_WORDS, barrier_timeouts, new_histogram, new_sync, select_blocks
@@ -73,7 +74,7 @@ class ResaKVLayer(StaticKVLayer):
             return super().update(key_states, value_states, *args, **kwargs)
         # On CUDA the write runs beside the selection, which reads neither the new K/V nor the descriptors of the
         # local block it lands in: the attention joins it before the sparse kernel reads the kept blocks.
-        side = _side_stream(self.device) if self.device.type == "cuda" else None
+        side = side_stream(self.device, "kv-write") if self.device.type == "cuda" else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -152,11 +153,6 @@ def events_seconds(events: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> f
         end.synchronize()
         total_ms += begin.elapsed_time(end)
     return total_ms / 1000
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
 
 
 def _describe(layer: ResaKVLayer, key: torch.Tensor, length: torch.Tensor, n_new: int, block_size: int) -> None:

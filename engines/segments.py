@@ -22,6 +22,8 @@ import contextlib
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from engines.streams import side_stream
+
 
 class CudaGraph:
     """A CUDA graph captured on `device` (its own capture stream: torch's default one belongs to one device)."""
@@ -29,7 +31,7 @@ class CudaGraph:
     def __init__(self, run, device: torch.device):
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(device):
-            stream = torch.cuda.Stream(device)
+            stream = side_stream(device, "capture")
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.graph(self.graph, stream=stream):
                 run()
