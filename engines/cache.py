@@ -11,6 +11,8 @@ The attention function receives the cache as the `longctx` keyword and reads `of
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -43,7 +45,21 @@ def seq_major_buffer(batch: int, capacity: int, heads: int, dim: int, dtype, dev
     return torch.zeros(batch, capacity, heads, dim, dtype=dtype, device=device).transpose(1, 2)
 
 
-class StaticKVLayer(CacheLayerMixin):
+class OwnedLayer(CacheLayerMixin):
+    """A cache layer that reads its cache's shared state through `owner`. The cache holds its layers, so the
+    layer holds the cache weakly: a strong reference back would make each document's cache a cycle, its K/V freed
+    only when Python's cyclic collector next runs, after the next document may already have needed the memory."""
+
+    @property
+    def owner(self):
+        return self._owner()
+
+    @owner.setter
+    def owner(self, cache) -> None:
+        self._owner = weakref.ref(cache)
+
+
+class StaticKVLayer(OwnedLayer):
     is_compileable = True
 
     def __init__(self, owner: "StaticKVCache", capacity: int, sliding_window: int | None):
@@ -95,7 +111,7 @@ class StaticKVLayer(CacheLayerMixin):
         return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
 
 
-class OwnedRowsLayer(CacheLayerMixin):
+class OwnedRowsLayer(OwnedLayer):
     """Base of an engine's own cache layer with `rows` buffer rows, owned by a StaticKVCache (the sizes
     transformers asks for; the engine's attention builds its own masks)."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,3 +140,7 @@ def shipped_heads_match_scoring(model) -> None:
     assert sorted(fresh) == sorted(int(layer) for layer in shipped)
     for layer, scores in fresh.items():
         assert scores == pytest.approx(shipped[str(layer)], abs=1e-6), layer
+
+
+class Owner(SimpleNamespace):
+    """A stand-in for the cache that owns a layer (layers hold their cache weakly: a SimpleNamespace cannot be)."""

@@ -277,7 +277,7 @@ def test_gpu_memory_stays_flat_from_document_to_document(name, overrides):
         if name == "resa":
             assert engine.counters(state)["rectifications"] > 0
         del state
-        gc.collect()  # a state's cache layers and their owner refer to each other
+        gc.collect()  # what captures leave behind is checked here; a state's own cycles, in the contract tests
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
     assert max(allocated[1:]) - allocated[1] < 1 << 20, [a / 2**20 for a in allocated]

@@ -114,3 +114,23 @@ def test_engine_degenerates_to_dense(lm, story_text, dense_reference, name):
     nll = engine.teacher_forced_nll(engine.prefill(doc, reserve=question.numel() + NEW_TOKENS), question,
                                     want_tokens)
     torch.testing.assert_close(torch.tensor(nll), want_nll, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_a_documents_cache_is_freed_when_its_state_goes(lm, story_text, name):
+    """A document's cache (its K/V) is freed as soon as the last reference to its state goes, not when Python's
+    cyclic collector next runs: documents read one after another never hold two caches at once."""
+    import gc
+    import weakref
+
+    engine = make_engine(lm, name)
+    doc, question = story_ids(lm, story_text, DOC_TOKENS)
+    gc.collect()
+    gc.disable()
+    try:
+        _, state = greedy_answer(engine, doc, question, NEW_TOKENS)
+        cache = weakref.ref(state.cache)
+        del state
+        assert cache() is None
+    finally:
+        gc.enable()

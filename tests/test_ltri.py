@@ -10,7 +10,7 @@ import torch
 from engines.ltri import spans as sp
 from kernels.farthest_point import farthest_point
 from kernels.span_candidates.reference import prefix_sums, rect, triangle_scores
-from tests.conftest import greedy_answer, make_engine, run_cli, story_ids
+from tests.conftest import Owner, greedy_answer, make_engine, run_cli, story_ids
 
 
 def _causal_map(n: int, seed: int) -> torch.Tensor:
@@ -236,7 +236,7 @@ def test_flush_outside_inference_mode_indexes_blocks_made_inside_it():
     from engines.ltri.cache import LtriLayer
     from engines.ltri.index import Indexer
 
-    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None)
+    owner = Owner(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None)
     layer = LtriLayer(owner, n_init=4, n_retrieved=8, n_local=8, block=4, room=8, window=None, retrieve=True)
     with torch.inference_mode():
         layer.lazy_initialization(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3))
@@ -262,7 +262,7 @@ def test_flush_divides_a_chunk_late_unless_a_pick_needs_the_spans():
     from engines.ltri.cache import LtriLayer
     from engines.ltri.index import Indexer
 
-    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None)
+    owner = Owner(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None)
     b = 16
     layer = LtriLayer(owner, n_init=4, n_retrieved=2 * b, n_local=2 * b, block=b, room=8, window=None, retrieve=True)
     layer.lazy_initialization(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
@@ -298,7 +298,7 @@ def test_retrieval_slots_keep_blocks_already_loaded():
 
     from engines.ltri.cache import LtriLayer
 
-    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None)
+    owner = Owner(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None)
     layer = LtriLayer(owner, n_init=4, n_retrieved=3 * 4, n_local=8, block=4, room=8, window=None, retrieve=True)
     layer.lazy_initialization(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3))
     for b in range(5):  # five evicted blocks, block b filled with the value b
@@ -635,7 +635,7 @@ def test_exact_compensation_equals_attention_over_every_stored_key(monkeypatch):
 
     torch.manual_seed(42)
     hkv, g, d, block, t = 2, 2, 8, 4, 3
-    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None,
+    owner = Owner(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None,
                             stats={"host_to_device_bytes": 0})
     layer = LtriLayer(owner, n_init=4, n_retrieved=2 * block, n_local=8, block=block, room=8, window=None,
                       retrieve=True)
@@ -669,7 +669,7 @@ def test_decode_summaries_attend_each_left_out_block_as_its_mean_row_weighted_by
 
     torch.manual_seed(42)
     hkv, g, d, block = 2, 2, 8, 4
-    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None,
+    owner = Owner(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None,
                             stats={"host_to_device_bytes": 0})
     layer = LtriLayer(owner, n_init=4, n_retrieved=2 * block, n_local=8, block=block, room=8, window=None,
                       retrieve=True, summaries=True)

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import Owner
+
 from engines.ltri import spans as sp
 
 
@@ -114,10 +116,11 @@ def _layer(positions, fp8=False):
 
     from engines.ltri.cache import LtriLayer
 
-    owner = SimpleNamespace(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None,
+    owner = Owner(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None,
                             positions=positions)
     layer = LtriLayer(owner, n_init=4, n_retrieved=5 * 4, n_local=8, block=4, room=8, window=None, retrieve=True,
                       fp8_memory=fp8)
+    layer.stand_in = owner  # the layer holds its owner weakly
     layer.lazy_initialization(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3))
     g = torch.Generator().manual_seed(0)
     for b in range(12):  # twelve evicted blocks of distinct random keys and values

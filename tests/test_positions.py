@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engines.positions import Positions, reassigns, rotary_module
-from tests.conftest import greedy_answer, make_engine, run_cli
+from tests.conftest import Owner, greedy_answer, make_engine, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_ltri_assignment_worked_by_hand():
     """2 init rows, 2 retrieval slots of 2, a window of 6 rows from document position 20 on, 2 empty rows."""
     from engines.ltri.cache import LtriLayer
 
-    owner = SimpleNamespace(positions=_Shift(14))
+    owner = Owner(positions=_Shift(14))
     layer = LtriLayer(owner, n_init=2, n_retrieved=4, n_local=4, block=2, room=2, window=None, retrieve=True)
     assert layer.rows == 14 and layer.local0 == 6
     layer.device, layer.front_at = torch.device("cpu"), torch.arange(6)
@@ -74,7 +74,7 @@ def test_sas_assignment_worked_by_hand():
     """Recent keys keep their distances, the first `lead` tokens their positions, older kept keys sit at lead."""
     from engines.sas.cache import SasLayer
 
-    owner = SimpleNamespace(positions=_Shift(100), lead=2)
+    owner = Owner(positions=_Shift(100), lead=2)
     layer = SasLayer.__new__(SasLayer)
     layer.owner = owner
     layer.device = torch.device("cpu")
