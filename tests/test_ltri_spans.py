@@ -112,12 +112,9 @@ def test_allocated_rows_equal_the_loop(m, n, kind, lam, lo, hi):
 
 
 def _layer(positions, fp8=False):
-    from types import SimpleNamespace
-
     from engines.ltri.cache import LtriLayer
 
-    owner = Owner(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None,
-                            positions=positions)
+    owner = Owner(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=positions)
     layer = LtriLayer(owner, n_init=4, n_retrieved=5 * 4, n_local=8, block=4, room=8, window=None, retrieve=True,
                       fp8_memory=fp8)
     layer.stand_in = owner  # the layer holds its owner weakly
