@@ -1,7 +1,7 @@
 """How well each block-scoring rule picks what dense decoding attends to (resa's accuracy against dense).
 
-Harness samples are decoded densely (resa with keep_ratio 1.0 reads every block, which equals dense token for
-token); at every decode step of every sparse layer the query and keys are handed to each scoring rule, and the
+Harness samples are decoded densely (the recorder stands in for resa's sparse attention and returns dense
+attention); at every decode step of every sparse layer the query and keys are handed to each scoring rule, and the
 blocks a rule keeps (same k, same forced local and sink blocks) are compared with dense attention:
 captured attention mass per query head and the relative error of the attention output.
 
@@ -11,7 +11,11 @@ Rules: `mean` the paper's (Quest's bound of the GQA group's mean query), `max` t
 `softmax` per-head softmax over the blocks' bounds summed over the group (NSA-style shared importance),
 `maxnorm` the same without the softmax's denominator (exp of each bound less its head's best), `centroid`
 the softmax pooling over q . (the block's mean key) instead of the bound, `hybrid` over the average of the
-bound and q . mean, and `oracle` the true attention mass per block summed over the group (needs every key: an upper bound, not a rule).
+bound and q . mean (the shipped rule), `hybrid-local` / `hybrid-recent` / `hybrid-sink` the same pooling with each
+head's scores taken less its score of the last (local) block, of the last block before it, or of the first (sink)
+block instead of softmaxed over the row (no row-wide normaliser: every part of a row can score those blocks itself),
+`hybrid-stale` the softmax pooling with each head's normaliser from the step before (the same layer's; the
+current one at a document's first step), and `oracle` the true attention mass per block summed over the group (needs every key: an upper bound, not a rule).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from longctx_cli.report import run_stamp  # noqa: E402
 from longctx_cli.prompt import AnswerText  # noqa: E402
 from longctx_cli.tasks import generate, score  # noqa: E402
 
-RULES = ("mean", "max", "softmax", "maxnorm", "centroid", "hybrid", "oracle")
+RULES = ("mean", "max", "softmax", "maxnorm", "centroid", "hybrid", "hybrid-local", "hybrid-recent", "hybrid-sink",
+         "hybrid-stale", "oracle")
 
 
 def block_extrema(k: torch.Tensor, n: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,8 +56,9 @@ def block_extrema(k: torch.Tensor, n: int, bs: int) -> tuple[torch.Tensor, torch
     return hi, lo
 
 
-def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float, mu=None) -> torch.Tensor:
-    """qg: [Hkv, G, D]; hi, lo, mu (block mean keys): [Hkv, NB, D]; probs_blocks: [Hkv, G, NB] -> [Hkv, NB]."""
+def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float, mu=None, stale=None) -> torch.Tensor:
+    """qg: [Hkv, G, D]; hi, lo, mu (block mean keys): [Hkv, NB, D]; probs_blocks: [Hkv, G, NB] -> [Hkv, NB].
+    stale: [Hkv, G, 1], each head's log-normaliser of the step before (hybrid-stale)."""
     if rule == "oracle":
         return probs_blocks.sum(1)
     if rule == "centroid":
@@ -65,8 +71,15 @@ def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float,
         return bound.amax(1)
     if rule == "maxnorm":
         return torch.exp((bound - bound.amax(-1, keepdim=True)) * scale).sum(1)
-    if rule == "hybrid":
-        return torch.softmax((bound + torch.einsum("hgd,hnd->hgn", qg, mu)) * scale / 2, dim=-1).sum(1)
+    if rule.startswith("hybrid"):
+        h = (bound + torch.einsum("hgd,hnd->hgn", qg, mu)) * scale / 2  # [Hkv, G, NB]
+        if rule == "hybrid":
+            return torch.softmax(h, dim=-1).sum(1)
+        if rule == "hybrid-stale":
+            return torch.exp(h - (h.logsumexp(-1, keepdim=True) if stale is None else stale)).sum(1)
+        ref = {"hybrid-local": h[..., -1:], "hybrid-recent": h[..., -2:-1] if h.shape[-1] > 1 else h[..., -1:],
+               "hybrid-sink": h[..., :1]}[rule]
+        return torch.exp(h - ref).sum(1)
     return torch.softmax(bound * scale, dim=-1).sum(1)
 
 
@@ -76,6 +89,8 @@ class Recorder:
         self.rows: list[dict] = []
         self.tag: dict = {}
         self.decode_with = "dense"  # the rule whose sparse output is returned (generation follows it)
+        self.lse: dict[int, tuple[int, torch.Tensor]] = {}  # layer (call order within a step) -> (n, log-normaliser)
+        self.layer, self.last_n = 0, -1
 
     def __call__(self, q, key, value, blocks, length, *, block_size, scale):
         n = int(length[0])
@@ -92,6 +107,13 @@ class Recorder:
         hi, lo = block_extrema(key[0], n, self.bs)
         mu = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(Hkv, nb, self.bs, D).sum(2)
         mu = mu / torch.full((nb,), float(self.bs)).index_fill_(0, torch.tensor([nb - 1]), float(n - (nb - 1) * self.bs))[None, :, None]
+        self.layer = self.layer + 1 if n == self.last_n else 0
+        self.last_n = n
+        h = (torch.maximum(qg[:, :, None] * hi[:, None], qg[:, :, None] * lo[:, None]).sum(-1)
+             + torch.einsum("hgd,hnd->hgn", qg, mu)) * scale / 2
+        prev = self.lse.get(self.layer)
+        stale = prev[1] if prev is not None and prev[0] == n - 1 else None
+        self.lse[self.layer] = (n, h.logsumexp(-1, keepdim=True))
         keep = self.rule.keep(nb)
         forced = torch.zeros(nb, dtype=torch.bool)
         forced[max(0, nb - self.rule.local_blocks):] = True
@@ -99,7 +121,7 @@ class Recorder:
         row = {**self.tag, "n": n, "blocks": nb, "keep": keep}
         returned = dense_out
         for name in RULES:
-            s = rule_scores(name, qg, hi, lo, pb, scale, mu).masked_fill(forced[None], float("inf"))
+            s = rule_scores(name, qg, hi, lo, pb, scale, mu, stale).masked_fill(forced[None], float("inf"))
             top = torch.topk(s, keep, dim=-1).indices  # [Hkv, keep]
             mask = torch.zeros(Hkv, nb, dtype=torch.bool).scatter_(1, top, True)
             tokmask = mask.repeat_interleave(self.bs, dim=1)[:, :n]  # [Hkv, n]
@@ -121,6 +143,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--keep-ratio", type=float, default=0.1)
+    parser.add_argument("--min-blocks", type=int, default=None, help="the rule's floor (default: the profile's)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--decode-with", default="dense",
                         help="comma-separated: dense and/or rules; each generates its own answers (scored)")
@@ -128,10 +151,13 @@ def main() -> None:
     args = parser.parse_args()
 
     lm = load_model(None, device="auto", dtype="auto")
-    prof = resolve_profile("resa", {"keep_ratio": 1.0, "rectify_every": 0})
+    # The engine must take its sparse path for the recorder to see each step (keeping every block, it decodes
+    # densely); the recorder returns dense attention (or the chosen rule's), whatever blocks the engine picked.
+    prof = resolve_profile("resa", {"keep_ratio": 0.5, "min_blocks": 16, "rectify_every": 0})
     engine = ENGINES["resa"](lm, prof.engine_config, prof.run, home=longctx_home())
     cfg = prof.engine_config
-    rec = Recorder(KeepRule(args.keep_ratio, cfg.min_blocks, cfg.local_blocks, cfg.sink_blocks), cfg.block_size)
+    floor = cfg.min_blocks if args.min_blocks is None else args.min_blocks
+    rec = Recorder(KeepRule(args.keep_ratio, floor, cfg.local_blocks, cfg.sink_blocks), cfg.block_size)
     resa_module.sparse_decode_attention = rec
     builder = PromptBuilder(lm.tokenizer, "auto", [])
     scores: dict[str, list[float]] = {}
