@@ -14,6 +14,7 @@ the softmax pooling over q . (the block's mean key) instead of the bound, `hybri
 bound and q . mean (the shipped rule), `hybrid-local` / `hybrid-recent` / `hybrid-sink` the same pooling with each
 head's scores taken less its score of the last (local) block, of the last block before it, or of the first (sink)
 block instead of softmaxed over the row (no row-wide normaliser: every part of a row can score those blocks itself),
+`hybrid-window` less the log-sum-exp of the 16 blocks that end at the last block before the local one,
 `hybrid-stale` the softmax pooling with each head's normaliser from the step before (the same layer's; the
 current one at a document's first step), and `oracle` the true attention mass per block summed over the group (needs every key: an upper bound, not a rule).
 """
@@ -43,7 +44,7 @@ from longctx_cli.prompt import AnswerText  # noqa: E402
 from longctx_cli.tasks import generate, score  # noqa: E402
 
 RULES = ("mean", "max", "softmax", "maxnorm", "centroid", "hybrid", "hybrid-local", "hybrid-recent", "hybrid-sink",
-         "hybrid-stale", "oracle")
+         "hybrid-window", "hybrid-stale", "oracle")
 
 
 def block_extrema(k: torch.Tensor, n: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,8 +78,9 @@ def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float,
             return torch.softmax(h, dim=-1).sum(1)
         if rule == "hybrid-stale":
             return torch.exp(h - (h.logsumexp(-1, keepdim=True) if stale is None else stale)).sum(1)
-        ref = {"hybrid-local": h[..., -1:], "hybrid-recent": h[..., -2:-1] if h.shape[-1] > 1 else h[..., -1:],
-               "hybrid-sink": h[..., :1]}[rule]
+        recent = h[..., -2:-1] if h.shape[-1] > 1 else h[..., -1:]
+        ref = {"hybrid-local": h[..., -1:], "hybrid-recent": recent, "hybrid-sink": h[..., :1],
+               "hybrid-window": h[..., max(0, h.shape[-1] - 17):max(1, h.shape[-1] - 1)].logsumexp(-1, keepdim=True)}[rule]
         return torch.exp(h - ref).sum(1)
     return torch.softmax(bound * scale, dim=-1).sum(1)
 
@@ -147,10 +149,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--decode-with", default="dense",
                         help="comma-separated: dense and/or rules; each generates its own answers (scored)")
+    parser.add_argument("--model", default=None, help="as `longctx ask --model` (default: the embedded model)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    lm = load_model(None, device="auto", dtype="auto")
+    lm = load_model(args.model, device="auto", dtype="auto")
     # The engine must take its sparse path for the recorder to see each step (keeping every block, it decodes
     # densely); the recorder returns dense attention (or the chosen rule's), whatever blocks the engine picked.
     prof = resolve_profile("resa", {"keep_ratio": 0.5, "min_blocks": 16, "rectify_every": 0})
