@@ -59,6 +59,16 @@ def block_extrema(k: torch.Tensor, n: int, bs: int) -> tuple[torch.Tensor, torch
     return hi, lo
 
 
+def hybrid_logits(qg: torch.Tensor, bound: torch.Tensor, mu: torch.Tensor, scale: float) -> torch.Tensor:
+    """The shipped rule's per-head block scores: Quest's bound [Hkv, G, NB] and q . mean averaged, scaled."""
+    return (bound + torch.einsum("hgd,hnd->hgn", qg, mu)) * scale / 2
+
+
+def quest_bound(qg: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Each head's Quest bound over each block: [Hkv, G, NB]."""
+    return torch.maximum(qg[:, :, None] * hi[:, None], qg[:, :, None] * lo[:, None]).sum(-1)
+
+
 def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float, mu=None, stale=None) -> torch.Tensor:
     """qg: [Hkv, G, D]; hi, lo, mu (block mean keys): [Hkv, NB, D]; probs_blocks: [Hkv, G, NB] -> [Hkv, NB].
     stale: [Hkv, G, 1], each head's log-normaliser of the step before (hybrid-stale)."""
@@ -69,13 +79,13 @@ def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float,
     if rule == "mean":
         q = qg.mean(1, keepdim=True)
         return torch.maximum(q[:, :, None] * hi[:, None], q[:, :, None] * lo[:, None]).sum(-1)[:, 0]
-    bound = torch.maximum(qg[:, :, None] * hi[:, None], qg[:, :, None] * lo[:, None]).sum(-1)  # [Hkv, G, NB]
+    bound = quest_bound(qg, hi, lo)
     if rule == "max":
         return bound.amax(1)
     if rule == "maxnorm":
         return torch.exp((bound - bound.amax(-1, keepdim=True)) * scale).sum(1)
     if rule.startswith("hybrid"):
-        h = (bound + torch.einsum("hgd,hnd->hgn", qg, mu)) * scale / 2  # [Hkv, G, NB]
+        h = hybrid_logits(qg, bound, mu, scale)
         if rule == "hybrid":
             return torch.softmax(h, dim=-1).sum(1)
         if rule == "hybrid-stale":
@@ -115,8 +125,7 @@ class Recorder:
         mu = mu / torch.full((nb,), float(self.bs)).index_fill_(0, torch.tensor([nb - 1]), float(n - (nb - 1) * self.bs))[None, :, None]
         self.layer = self.layer + 1 if n == self.last_n else 0
         self.last_n = n
-        h = (torch.maximum(qg[:, :, None] * hi[:, None], qg[:, :, None] * lo[:, None]).sum(-1)
-             + torch.einsum("hgd,hnd->hgn", qg, mu)) * scale / 2
+        h = hybrid_logits(qg, quest_bound(qg, hi, lo), mu, scale)
         prev = self.lse.get(self.layer)
         stale = prev[1] if prev is not None and prev[0] == n - 1 else None
         self.lse[self.layer] = (n, h.logsumexp(-1, keepdim=True))

@@ -636,7 +636,7 @@ def test_exact_compensation_equals_attention_over_every_stored_key(monkeypatch):
     torch.manual_seed(42)
     hkv, g, d, block, t = 2, 2, 8, 4, 3
     owner = Owner(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None,
-                            stats={"host_to_device_bytes": 0})
+                  stats={"host_to_device_bytes": 0})
     layer = LtriLayer(owner, n_init=4, n_retrieved=2 * block, n_local=8, block=block, room=8, window=None,
                       retrieve=True)
     layer.lazy_initialization(torch.zeros(1, hkv, 1, d), torch.zeros(1, hkv, 1, d))
@@ -670,7 +670,7 @@ def test_decode_summaries_attend_each_left_out_block_as_its_mean_row_weighted_by
     torch.manual_seed(42)
     hkv, g, d, block = 2, 2, 8, 4
     owner = Owner(decoding=False, offset=0, filled=0, capacity=4096, memory_blocks=None, positions=None,
-                            stats={"host_to_device_bytes": 0})
+                  stats={"host_to_device_bytes": 0})
     layer = LtriLayer(owner, n_init=4, n_retrieved=2 * block, n_local=8, block=block, room=8, window=None,
                       retrieve=True, summaries=True)
     layer.lazy_initialization(torch.zeros(1, hkv, 1, d), torch.zeros(1, hkv, 1, d))
