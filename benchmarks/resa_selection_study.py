@@ -16,7 +16,9 @@ head's scores taken less its score of the last (local) block, of the last block 
 block instead of softmaxed over the row (no row-wide normaliser: every part of a row can score those blocks itself),
 `hybrid-window` less the log-sum-exp of the 16 blocks that end at the last block before the local one,
 `hybrid-stale` the softmax pooling with each head's normaliser from the step before (the same layer's; the
-current one at a document's first step), and `oracle` the true attention mass per block summed over the group
+current one at a document's first step), `int8` the hybrid over the descriptors as the shipped profile stores them
+(max + mean and min + mean as int8 codes of a scale per block, rounded outwards) with the query as it is, `int8-codes`
+the same against the query's fixed-point codes (kernels.block_select.query_codes: the shipped scoring), and `oracle` the true attention mass per block summed over the group
 (needs every key: an upper bound, not a rule). The floor is the paper's 16 blocks unless --min-blocks says
 otherwise (the shipped 1,024 keeps every block of a CPU-sized document).
 """
@@ -36,7 +38,8 @@ import engines.resa as resa_module  # noqa: E402
 from engines import ENGINES  # noqa: E402
 from engines.decoding import Sampler  # noqa: E402
 from kernels import cdiv  # noqa: E402
-from kernels.block_select import KeepRule  # noqa: E402
+from kernels.block_descriptors import update_block_descriptors  # noqa: E402
+from kernels.block_select import KeepRule, query_codes  # noqa: E402
 from longctx_cli.accuracy import PromptBuilder, _ids  # noqa: E402
 from longctx_cli.home import longctx_home  # noqa: E402
 from longctx_cli.models import load_model  # noqa: E402
@@ -46,7 +49,7 @@ from longctx_cli.prompt import AnswerText  # noqa: E402
 from longctx_cli.tasks import generate, score  # noqa: E402
 
 RULES = ("mean", "max", "softmax", "maxnorm", "centroid", "hybrid", "hybrid-local", "hybrid-recent", "hybrid-sink",
-         "hybrid-window", "hybrid-stale", "oracle")
+         "hybrid-window", "hybrid-stale", "int8", "int8-codes", "oracle")
 
 
 def block_extrema(k: torch.Tensor, n: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,11 +72,36 @@ def quest_bound(qg: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.T
     return torch.maximum(qg[:, :, None] * hi[:, None], qg[:, :, None] * lo[:, None]).sum(-1)
 
 
-def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float, mu=None, stale=None) -> torch.Tensor:
+def int8_descriptors(key: torch.Tensor, n: int, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """key: [1, Hkv, S, D] -> the int8 codes of max + mean and min + mean [Hkv, NB, D] and their scale [Hkv, NB],
+    as the engine stores them (descriptor_dtype int8)."""
+    _, Hkv, _, D = key.shape
+    nb = cdiv(n, bs)
+    top = torch.zeros(1, Hkv, nb, D, dtype=torch.int8)
+    bottom, step = top.clone(), torch.zeros(1, Hkv, nb)
+    update_block_descriptors(key[:, :, :n], top, bottom, torch.tensor([n]), n, bs, fold_mean=True, scale=step)
+    return top[0], bottom[0], step[0]
+
+
+def int8_logits(qg: torch.Tensor, codes: tuple, scale: float, query_as_codes: bool) -> torch.Tensor:
+    """The shipped rule's per-head scores [Hkv, G, NB] from int8 descriptors (int8_descriptors): half their Quest
+    bound, scaled; with query_as_codes, the bound of the query's fixed-point codes, exact in integers."""
+    top, bottom, step = codes
+    if not query_as_codes:
+        return quest_bound(qg, top.float() * step[..., None], bottom.float() * step[..., None]) * scale / 2
+    c, q_step = query_codes(qg)
+    exact = torch.maximum(c[:, :, None] * top.int()[:, None], c[:, :, None] * bottom.int()[:, None]).sum(-1)
+    return exact.float() * q_step[..., None] * step[:, None] * scale / 2
+
+
+def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float, mu=None, stale=None,
+                codes=None) -> torch.Tensor:
     """qg: [Hkv, G, D]; hi, lo, mu (block mean keys): [Hkv, NB, D]; probs_blocks: [Hkv, G, NB] -> [Hkv, NB].
-    stale: [Hkv, G, 1], each head's log-normaliser of the step before (hybrid-stale)."""
+    stale: [Hkv, G, 1], each head's log-normaliser of the step before (hybrid-stale); codes: int8_descriptors."""
     if rule == "oracle":
         return probs_blocks.sum(1)
+    if rule in ("int8", "int8-codes"):
+        return torch.softmax(int8_logits(qg, codes, scale, rule == "int8-codes"), dim=-1).sum(1)
     if rule == "centroid":
         return torch.softmax(torch.einsum("hgd,hnd->hgn", qg, mu) * scale, dim=-1).sum(1)
     if rule == "mean":
@@ -126,6 +154,7 @@ class Recorder:
         self.layer = self.layer + 1 if n == self.last_n else 0
         self.last_n = n
         h = hybrid_logits(qg, quest_bound(qg, hi, lo), mu, scale)
+        codes = int8_descriptors(key[:, :, :n].float(), n, self.bs)
         prev = self.lse.get(self.layer)
         stale = prev[1] if prev is not None and prev[0] == n - 1 else None
         self.lse[self.layer] = (n, h.logsumexp(-1, keepdim=True))
@@ -135,10 +164,11 @@ class Recorder:
         forced[:self.rule.sink_blocks] = True
         row = {**self.tag, "n": n, "blocks": nb, "keep": keep}
         returned = dense_out
+        kept = {}
         for name in RULES:
-            s = rule_scores(name, qg, hi, lo, pb, scale, mu, stale).masked_fill(forced[None], float("inf"))
+            s = rule_scores(name, qg, hi, lo, pb, scale, mu, stale, codes).masked_fill(forced[None], float("inf"))
             top = torch.topk(s, keep, dim=-1).indices  # [Hkv, keep]
-            mask = torch.zeros(Hkv, nb, dtype=torch.bool).scatter_(1, top, True)
+            mask = kept[name] = torch.zeros(Hkv, nb, dtype=torch.bool).scatter_(1, top, True)
             tokmask = mask.repeat_interleave(self.bs, dim=1)[:, :n]  # [Hkv, n]
             sl = logits.masked_fill(~tokmask[:, None], float("-inf"))
             out = torch.einsum("hgs,hsd->hgd", torch.softmax(sl, -1), v)
@@ -148,6 +178,8 @@ class Recorder:
                 returned = out
             row[name] = {"mass_min": round(float(mass.min()), 4), "mass_mean": round(float(mass.mean()), 4),
                          "err_max": round(float(err.max()), 4), "err_mean": round(float(err.mean()), 4)}
+        # What the query's fixed-point codes change: the share of blocks kept by both int8 rules.
+        row["int8-codes"]["same_as_int8"] = round(float((kept["int8"] & kept["int8-codes"]).sum() / (Hkv * keep)), 4)
         self.rows.append(row)
         return returned.view(1, Hq, D).to(q.dtype)
 
@@ -201,6 +233,8 @@ def main() -> None:
     for name in RULES:
         vals = [r[name] for r in rec.rows]
         summary[name] = {key: round(statistics.fmean(v[key] for v in vals), 4) for key in vals[0]}
+        if name == "int8-codes":
+            summary[name]["same_as_int8_min"] = min(v["same_as_int8"] for v in vals)
         summary[name]["err_max_p90"] = round(sorted(v["err_max"] for v in vals)[int(0.9 * len(vals))], 4)
     print(json.dumps(summary, indent=1))
     if args.out:

@@ -17,7 +17,7 @@ from kernels.block_descriptors import update_block_descriptors
 from kernels.block_descriptors import update_block_descriptors_reference as update_ref
 from kernels.block_select import (HIST_BINS, SYNC_WORDS, KeepRule, barrier_timeouts, block_scores, new_histogram,
                                    new_sync, score_bins, select_blocks)
-from kernels.block_select.reference import bin_keys
+from kernels.block_select.reference import QUERY_CODE_MAX, bin_keys, query_codes
 from kernels.block_select import select_blocks_reference as select_ref
 from kernels.decode_attention import decode_attention_reference as dense_ref
 from kernels.lse_combine import combine_splits_reference, merge_partials
@@ -28,6 +28,24 @@ BS = 16
 
 
 DEVICE = TRITON_DEVICE
+
+
+if importlib.util.find_spec("triton") is not None:
+    import triton
+    import triton.language as tl
+
+    from kernels.block_select.triton_scores import query_codes as _query_codes
+
+    @triton.jit
+    def _query_codes_kernel(Q, Out, Step, D: tl.constexpr):
+        """The codes of q [16, D] (query_codes' four halves joined again) and the rows' steps."""
+        offs_g = tl.arange(0, 16)
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + offs_g[:, None] * D + offs_d[None, :])
+        pos_hi, pos_lo, neg_hi, neg_lo, step = _query_codes(q)
+        c = 128 * (pos_hi.to(tl.int32) + neg_hi.to(tl.int32)) + pos_lo.to(tl.int32) + neg_lo.to(tl.int32)
+        tl.store(Out + offs_g[:, None] * D + offs_d[None, :], c)
+        tl.store(Step + offs_g, step)
 
 
 def _keys(B, H, S, D, lengths, dtype=torch.float32, device="cpu"):
@@ -382,6 +400,57 @@ def test_int8_descriptors_round_outwards_and_keep_the_bound():
     assert (coded[inside] >= exact[inside] - 1e-4 * exact[inside].abs().clamp_min(1)).all()
     slack = (q.view(2, 3, 2, 64).mean(2).abs().sum(-1, keepdim=True) * scale)[inside]  # one step a coordinate
     assert ((coded - exact)[inside] <= slack * 1.001 + 1e-5).all()
+
+
+def test_query_codes_are_fixed_point_within_a_step():
+    """Each row in steps of max|q| / QUERY_CODE_MAX, truncated: within one step of q, the largest coordinate
+    coded at full scale, zero rows zero."""
+    torch.manual_seed(42)
+    q = torch.randn(3, 5, 128) * torch.tensor([1e-3, 1.0, 80.0])[:, None, None]
+    q[1, 2] = 0.0
+    q[2, 0, 7] = 500.0  # an outlier coordinate sets its row's step
+    codes, step = query_codes(q.bfloat16())
+    qf = q.bfloat16().float()
+    assert codes.dtype == torch.int32 and codes.abs().max() <= QUERY_CODE_MAX
+    assert ((qf - codes * step[..., None]).abs() <= step[..., None] * 1.0001).all()
+    assert (codes.abs().amax(-1)[step > 0] >= QUERY_CODE_MAX - 1).all()
+    assert (codes[1, 2] == 0).all() and step[1, 2] == 0
+    assert (codes.sign() * qf.sign() >= 0).all()
+
+
+def test_int8_softmax_bounds_are_the_query_codes_exact_products():
+    """Softmax pooling over int8 descriptors: each head's bound is the exact integer product of its query codes
+    and the block's codes, scaled, so it stays within a query step a coordinate of the bound of q itself."""
+    torch.manual_seed(42)
+    keys = torch.randn(1, 2, 40 * BS, 64) * 3
+    hi, lo, scale = _int8(keys, [40 * BS])
+    q = torch.randn(1, 8, 64)
+    length = torch.tensor([40 * BS])
+    args = dict(block_size=BS, local_blocks=1, pooling="softmax", folded=True, scale=0.125)
+    coded = block_scores(q, hi, lo, length, descriptor_scale=scale, **args)
+    top, bottom = hi.float() * scale[..., None], lo.float() * scale[..., None]
+    codes, step = query_codes(q.view(1, 2, 4, 64))
+    qq = (codes.double() * step[..., None].double()).float().view(1, 8, 64)
+    torch.testing.assert_close(coded, block_scores(qq, top, bottom, length, **args), rtol=1e-5, atol=1e-6)
+    # against q itself: one query step a coordinate of slack in every head's bound, within softmax's rounding
+    plain = block_scores(q, top, bottom, length, **args)
+    inside = plain.isfinite()
+    assert (coded - plain)[inside].abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16], ids=lambda g: f"G{g}")
+@pytest.mark.triton
+def test_query_codes_triton_equal_reference(rows):
+    """The kernels' query codes and steps are the reference's bit for bit (the int8 bounds are then exact)."""
+    torch.manual_seed(42)
+    q = torch.zeros(16, 128, dtype=torch.bfloat16)
+    q[:rows] = (torch.randn(rows, 128) * torch.logspace(-2, 2, rows)[:, None]).bfloat16()
+    q[0, 3] = -300.0  # an outlier, negative
+    out = torch.empty(16, 128, dtype=torch.int32, device=DEVICE)
+    step = torch.empty(16, device=DEVICE)
+    _query_codes_kernel[(1,)](q.to(DEVICE), out, step, D=128)
+    want, want_step = query_codes(q)
+    assert torch.equal(out.cpu(), want) and torch.equal(step.cpu(), want_step)
 
 
 def test_int8_descriptors_refuse_a_separate_mean():

@@ -71,16 +71,20 @@ def test_split_over_two_gpus_scores_as_one_gpu(pair, profile, settings):
 
 
 @pytest.mark.parametrize("profile, settings", RUNS[:2], ids=[p for p, _ in RUNS[:2]])
-def test_per_gpu_graphs_answer_as_the_eager_split_step(pair, profile, settings):
+def test_per_gpu_graphs_score_as_the_eager_split_step(pair, profile, settings):
+    """The split step replayed from a graph per GPU against the same step run eagerly: the same NLLs up to the
+    captured step's own kernels (its one-row projections are the project's GEMVs, eager steps cuBLAS's), so
+    teacher-forced, not greedy tokens, which a random model's near-ties send apart after a few steps."""
     _, two, _ = pair
     ids = torch.randint(1000, 20000, (3000,), generator=torch.Generator().manual_seed(4))
-    outs = []
+    question, targets = ids[:8], ids[100:140].tolist()
+    nlls = []
     for graph in (True, False):
-        engine = make_engine(two, profile, chunk_size=1024, decode_graph=graph, **settings)
-        state = engine.prefill(ids, reserve=48)
-        outs.append(list(engine.answer(state, ids[:8], 40, Sampler())))
+        got, state = _nll(make_engine(two, profile, chunk_size=1024, decode_graph=graph, **settings), ids, question,
+                          targets)
         assert (state.decode.segments is not None) == graph
-    assert outs[0] == outs[1]
+        nlls.append(got)
+    torch.testing.assert_close(nlls[0], nlls[1], atol=3e-2, rtol=1e-2)
 
 
 @pytest.mark.slow

@@ -16,12 +16,13 @@ import functools
 
 import torch
 
-from kernels.block_select.reference import (HIST_BINS, PHASE_STAMPS, POOLINGS, SYNC_WORDS, KeepRule, block_scores,
-                                            score_bins)
+from kernels.block_select.reference import (HIST_BINS, PHASE_STAMPS, POOLINGS, QUERY_CODE_MAX, SYNC_WORDS, KeepRule,
+                                            block_scores, query_codes, score_bins)
 from kernels.block_select.reference import select_blocks as select_blocks_reference
 
-__all__ = ["HIST_BINS", "PHASE_STAMPS", "POOLINGS", "SYNC_WORDS", "KeepRule", "barrier_timeouts", "block_scores",
-           "new_histogram", "new_sync", "record_phases", "score_bins", "select_blocks", "select_blocks_reference"]
+__all__ = ["HIST_BINS", "PHASE_STAMPS", "POOLINGS", "QUERY_CODE_MAX", "SYNC_WORDS", "KeepRule", "barrier_timeouts",
+           "block_scores", "new_histogram", "new_sync", "query_codes", "record_phases", "score_bins", "select_blocks",
+           "select_blocks_reference"]
 
 
 @functools.cache

@@ -18,6 +18,9 @@ HIST_BINS = 4096
 SYNC_WORDS = 4
 # What each program of the one-launch selection stamps with the GPU's global timer when asked to (triton_fused.py;
 # diagnostics: kernels.block_select.record_phases), in this order.
+# Softmax pooling over int8 descriptors scores each query head as fixed-point codes of at most this magnitude (14
+# bits and a sign: two int8 halves on the integer tensor cores), one step per head (query_codes).
+QUERY_CODE_MAX = 2**14 - 1
 PHASE_STAMPS = ("start", "dependency met", "bounds done", "barrier 1 passed", "scores counted", "barrier 2 passed",
                 "counts done", "barrier 3 passed", "end")
 
@@ -84,6 +87,18 @@ def bin_keys(scores: torch.Tensor, shift: int, base: int) -> torch.Tensor:
     return ((order_keys(scores) >> shift) - base).clamp(0, HIST_BINS - 1)
 
 
+def query_codes(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [..., D] -> (codes int32 [..., D], step fp32 [...]): each row in steps of max|q| / QUERY_CODE_MAX,
+    truncated towards zero, so that q ~ codes * step to 1 / QUERY_CODE_MAX of the row's largest coordinate
+    (finer than bf16 for every coordinate above 1/64 of it). fp32 arithmetic the kernels repeat exactly."""
+    qf = q.float()
+    amax = qf.abs().amax(dim=-1)
+    top = torch.full_like(amax, QUERY_CODE_MAX)
+    # Divisions of two tensors: correctly rounded (a scalar divided by a tensor is a reciprocal, then a product).
+    inv = torch.where(amax > 0, top / amax, torch.zeros_like(amax))
+    return (qf * inv[..., None]).trunc().int(), amax / top
+
+
 def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                  block_size: int, local_blocks: int, sink_blocks: int = 0, pooling: str = "mean",
                  scale: float = 1.0, kmean: torch.Tensor | None = None, folded: bool = False,
@@ -92,9 +107,13 @@ def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length
     sink) blocks, -inf past the end. scale (the attention's) only matters to softmax pooling. kmean given: each
     bound is averaged with q . kmean (KeepRule.centroid). folded (kmean None): kmax and kmin hold max + mean and
     min + mean (kernels/block_descriptors' fold_mean), whose bound is the bound plus q . mean: it is halved.
-    descriptor_scale [B, Hkv, NB]: kmax and kmin are int8 codes of it."""
+    descriptor_scale [B, Hkv, NB]: kmax and kmin are int8 codes of it; softmax pooling then takes each head's
+    bound from the codes and the query's fixed-point codes (query_codes), exactly, scaled afterwards."""
     B, Hq, D = q.shape
-    if descriptor_scale is not None:
+    codes = None
+    if descriptor_scale is not None and pooling == "softmax":
+        codes = kmax.int(), kmin.int(), descriptor_scale
+    elif descriptor_scale is not None:
         kmax = kmax.float() * descriptor_scale[..., None]
         kmin = kmin.float() * descriptor_scale[..., None]
     Hkv, NB = kmax.shape[1], kmax.shape[2]
@@ -111,8 +130,14 @@ def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length
         elif folded:
             s = s * 0.5
     else:
-        bound = torch.maximum(qg[:, :, :, None] * kmax.float()[:, :, None],
-                              qg[:, :, :, None] * kmin.float()[:, :, None]).sum(dim=-1)  # [B, Hkv, G, NB]
+        if codes is None:
+            bound = torch.maximum(qg[:, :, :, None] * kmax.float()[:, :, None],
+                                  qg[:, :, :, None] * kmin.float()[:, :, None]).sum(dim=-1)  # [B, Hkv, G, NB]
+        else:
+            c, step = query_codes(qg)
+            top, bottom, dscale = codes
+            exact = torch.maximum(c[:, :, :, None] * top[:, :, None], c[:, :, :, None] * bottom[:, :, None]).sum(-1)
+            bound = exact.float() * step[..., None] * dscale[:, :, None]
         if kmean is not None:
             bound = (bound + torch.einsum("bhgd,bhnd->bhgn", qg, kmean.float())) * 0.5
         elif folded:

@@ -186,8 +186,9 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     shift, base = score_bins(rule.pooling, group)
     scale_arg = descriptor_scale if quant else length  # never read without QUANT
     scale_strides = (descriptor_scale.stride(0), descriptor_scale.stride(1)) if quant else (0, 0)
-    # Tensor-core products in the descriptors' half precision when q shares it (int8 codes: in q's); fp32 otherwise.
-    ieee = q.dtype == torch.float32 if quant else (kmax.dtype == torch.float32 or q.dtype != kmax.dtype)
+    # Tensor-core products in the descriptors' half precision when q shares it, fp32 otherwise; int8 codes: integer
+    # products against the query's fixed-point codes.
+    ieee = not quant and (kmax.dtype == torch.float32 or q.dtype != kmax.dtype)
     bounds_args = (q, kmax, kmin, kmean if separate_mean else kmax, scale_arg, length)
     bounds_tail = (q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmax.stride(2), *scale_strides)
     bounds_options = dict(GROUP=group, G_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,

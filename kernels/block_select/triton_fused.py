@@ -34,7 +34,7 @@ from triton.language.extra.cuda import globaltimer
 
 from kernels._gdc import grid_dependency_wait
 from kernels.block_select.reference import HIST_BINS, PHASE_STAMPS, SYNC_WORDS
-from kernels.block_select.triton_scores import pool_scores, tile_bounds
+from kernels.block_select.triton_scores import group_query, pool_scores, tile_bounds
 from kernels.block_select.triton_topk import (_above_and_ties, _bin_of, _head_and_k, _int_key, _store_taken,
                                               count_score_bins)
 
@@ -135,11 +135,13 @@ def _fused_select_kernel(
         clear_histogram_slice(Hist, pid_bh, part, HIST_SLICE)
         m_run = tl.full([G_DOT], float("-inf"), tl.float32)
         z_run = tl.zeros([G_DOT], tl.float32)
+        a_pos, a_neg, a_pos_lo, a_neg_lo, step, q = group_query(Q, Kmax, b, h, stride_qb, stride_qh, GROUP, G_DOT,
+                                                                 HEAD_DIM, QUANT, IEEE)
         for t in tl.range(0, n_sub, num_stages=STAGES):
             offs = first_block + t * TILE + tl.arange(0, TILE)
-            s = tile_bounds(Q, Kmax, Kmin, Kmean, Scale, b, h, offs, n_blocks, local_blocks, sink_blocks,
-                            scale_log2, stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb, stride_sh,
-                            GROUP, G_DOT, HEAD_DIM, CENTROID, FOLDED, QUANT, IEEE)
+            s = tile_bounds(a_pos, a_neg, a_pos_lo, a_neg_lo, step, q, Kmax, Kmin, Kmean, Scale, b, h, offs,
+                            n_blocks, local_blocks, sink_blocks, scale_log2, stride_db, stride_dh, stride_dn,
+                            stride_sb, stride_sh, HEAD_DIM, CENTROID, FOLDED, QUANT, IEEE)
             tl.store(Bounds + rows[:, None] * n_blocks_cap + offs[None, :], s,
                      mask=heads[:, None] & (offs[None, :] < n_blocks_cap))
             m_new = tl.maximum(m_run, tl.max(s, 1))

@@ -14,9 +14,11 @@ import triton
 import triton.language as tl
 
 from kernels._gdc import grid_dependency_wait
+from kernels.block_select.reference import QUERY_CODE_MAX
 from kernels.block_select.triton_topk import HIST_BINS, count_score_bins
 
 _HIST_BINS = tl.constexpr(HIST_BINS)
+QUERY_CODE_MAX = tl.constexpr(QUERY_CODE_MAX)
 
 
 @triton.jit
@@ -71,34 +73,74 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def tile_bounds(Q, Kmax, Kmin, Kmean, Scale, b, h, offs, n_blocks, local_blocks, sink_blocks, scale_log2,
-                 stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb, stride_sh, GROUP: tl.constexpr,
-                 G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, CENTROID: tl.constexpr, FOLDED: tl.constexpr,
-                 QUANT: tl.constexpr, IEEE: tl.constexpr):
-    """Every head's scaled bounds over the blocks `offs` of row (b, h): [G_DOT, TILE] fp32 (rows past the group
-    are zeros), -inf where a block is not scored. Quest's bound is two products on the tensor cores:
-    sum_d max(q_d * kmax_d, q_d * kmin_d) = max(q, 0) . kmax + min(q, 0) . kmin, as kmax >= kmin. QUANT: int8
-    descriptors, exact in half precision (|code| <= 127), the products then scaled per block."""
+def _split_codes(c):
+    """Non-negative int32 codes below 2**14 -> (c // 128, c % 128) as int8."""
+    return (c // 128).to(tl.int8), (c % 128).to(tl.int8)
+
+
+@triton.jit
+def query_codes(q):
+    """q [G, D] -> the fixed-point codes reference.query_codes defines, as int8 halves of their positive and
+    negative parts ((pos_hi, pos_lo, neg_hi, neg_lo): c = 128 * hi + lo) and each row's step [G] fp32."""
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.abs(qf), 1)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, QUERY_CODE_MAX, tl.float32), amax), 0.0)
+    c = (qf * inv[:, None]).to(tl.int32)  # truncated, |c| <= QUERY_CODE_MAX
+    pos_hi, pos_lo = _split_codes(tl.maximum(c, 0))
+    neg_hi, neg_lo = _split_codes(tl.maximum(-c, 0))
+    step = tl.math.div_rn(amax, tl.full(amax.shape, QUERY_CODE_MAX, tl.float32))
+    return pos_hi, pos_lo, -neg_hi, -neg_lo, step
+
+
+@triton.jit
+def group_query(Q, Kmax, b, h, stride_qb, stride_qh, GROUP: tl.constexpr, G_DOT: tl.constexpr,
+                HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr):
+    """Row (b, h)'s group of queries as tile_bounds multiplies them, made once a program: (a_pos, a_neg, a_pos_lo,
+    a_neg_lo, step, q), [G_DOT, HEAD_DIM] each but step [G_DOT] (rows past the group are zeros). QUANT: the
+    fixed-point codes' int8 halves (query_codes); otherwise max(q, 0) and min(q, 0) in the descriptors' precision
+    (fp32 with IEEE), the lo halves and step unused."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_g = tl.arange(0, G_DOT)  # the group's heads, padded to a tensor-core tile with zero rows
+    q = tl.load(Q + b * stride_qb + (h * GROUP + offs_g[:, None]) * stride_qh + offs_d[None, :],
+                mask=offs_g[:, None] < GROUP, other=0.0)
+    if QUANT:
+        pos_hi, pos_lo, neg_hi, neg_lo, step = query_codes(q)
+        return pos_hi, neg_hi, pos_lo, neg_lo, step, q
+    else:
+        if IEEE:
+            q = q.to(tl.float32)
+        else:
+            q = q.to(Kmax.dtype.element_ty)
+        zero = tl.zeros_like(q)
+        q_pos = tl.maximum(q, zero).to(q.dtype)  # Triton computes half-precision max / min in fp32
+        q_neg = tl.minimum(q, zero).to(q.dtype)
+        return q_pos, q_neg, q_pos, q_neg, tl.zeros([G_DOT], tl.float32), q
+
+
+@triton.jit
+def tile_bounds(a_pos, a_neg, a_pos_lo, a_neg_lo, step, q, Kmax, Kmin, Kmean, Scale, b, h, offs, n_blocks,
+                local_blocks, sink_blocks, scale_log2, stride_db, stride_dh, stride_dn, stride_sb, stride_sh,
+                HEAD_DIM: tl.constexpr, CENTROID: tl.constexpr, FOLDED: tl.constexpr, QUANT: tl.constexpr,
+                IEEE: tl.constexpr):
+    """Every head's scaled bounds over the blocks `offs` of row (b, h), from its group_query: [G_DOT, TILE] fp32
+    (rows past the group are zeros), -inf where a block is not scored. Quest's bound is two products on the
+    tensor cores: sum_d max(q_d * kmax_d, q_d * kmin_d) = max(q, 0) . kmax + min(q, 0) . kmin, as kmax >= kmin.
+    QUANT: int8 descriptors against the queries' fixed-point codes on the integer tensor cores, exact, the integer
+    bounds then scaled per head and per block (the codes feed the products as loaded)."""
     offs_d = tl.arange(0, HEAD_DIM)
     scored = (offs < n_blocks - local_blocks) & (offs >= sink_blocks)
     base = b * stride_db + h * stride_dh + offs[:, None] * stride_dn + offs_d[None, :]
     top = tl.load(Kmax + base, mask=scored[:, None], other=0.0)  # [TILE, HEAD_DIM]
     bottom = tl.load(Kmin + base, mask=scored[:, None], other=0.0)
-    offs_g = tl.arange(0, G_DOT)  # the group's heads, padded to a tensor-core tile with zero rows
-    q = tl.load(Q + b * stride_qb + (h * GROUP + offs_g[:, None]) * stride_qh + offs_d[None, :],
-                mask=offs_g[:, None] < GROUP, other=0.0)
     if QUANT:
-        top, bottom = top.to(Q.dtype.element_ty), bottom.to(Q.dtype.element_ty)
-    if IEEE:
-        q, top, bottom = q.to(tl.float32), top.to(tl.float32), bottom.to(tl.float32)
-    else:
-        q = q.to(top.dtype)
-    zero = tl.zeros_like(q)
-    q_pos = tl.maximum(q, zero).to(top.dtype)  # Triton computes half-precision max / min in fp32
-    q_neg = tl.minimum(q, zero).to(top.dtype)
-    s = _dot(q_pos, top, IEEE) + _dot(q_neg, bottom, IEEE)  # [G_DOT, TILE]
-    if QUANT:
+        s = (tl.dot(a_pos, tl.trans(top)) + tl.dot(a_neg, tl.trans(bottom))) * 128
+        s += tl.dot(a_pos_lo, tl.trans(top)) + tl.dot(a_neg_lo, tl.trans(bottom))  # int32 [G_DOT, TILE]
+        s = s.to(tl.float32) * step[:, None]
         s = s * tl.load(Scale + b * stride_sb + h * stride_sh + offs, mask=scored, other=0.0)[None, :]
+    else:
+        if IEEE:
+            top, bottom = top.to(tl.float32), bottom.to(tl.float32)
+        s = _dot(a_pos, top, IEEE) + _dot(a_neg, bottom, IEEE)  # [G_DOT, TILE]
     if FOLDED:
         s = s * 0.5  # the descriptors' bound is Quest's plus q . mean
     elif CENTROID:
@@ -123,9 +165,11 @@ def _head_bounds_kernel(
     h = (pid_bh % n_kv_heads).to(tl.int64)
     n_blocks = tl.cdiv(tl.load(Length + b).to(tl.int64), BLOCK)
     offs = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
-    s = tile_bounds(Q, Kmax, Kmin, Kmean, Scale, b, h, offs, n_blocks, local_blocks, sink_blocks, scale_log2,
-                     stride_qb, stride_qh, stride_db, stride_dh, stride_dn, stride_sb, stride_sh, GROUP, G_DOT,
-                     HEAD_DIM, CENTROID, FOLDED, QUANT, IEEE)
+    a_pos, a_neg, a_pos_lo, a_neg_lo, step, q = group_query(Q, Kmax, b, h, stride_qb, stride_qh, GROUP, G_DOT,
+                                                             HEAD_DIM, QUANT, IEEE)
+    s = tile_bounds(a_pos, a_neg, a_pos_lo, a_neg_lo, step, q, Kmax, Kmin, Kmean, Scale, b, h, offs, n_blocks,
+                    local_blocks, sink_blocks, scale_log2, stride_db, stride_dh, stride_dn, stride_sb, stride_sh,
+                    HEAD_DIM, CENTROID, FOLDED, QUANT, IEEE)
     m = tl.max(s, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     offs_g = tl.arange(0, G_DOT)
