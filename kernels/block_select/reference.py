@@ -16,11 +16,11 @@ POOLINGS = ("mean", "softmax")
 HIST_BINS = 4096
 # Words per (batch, kv head) of the scratch where the Triton selection's programs of one row meet (triton_fused.py).
 SYNC_WORDS = 4
-# What each program of the one-launch selection stamps with the GPU's global timer when asked to (triton_fused.py;
-# diagnostics: kernels.block_select.record_phases), in this order.
 # Softmax pooling over int8 descriptors scores each query head as fixed-point codes of at most this magnitude (14
 # bits and a sign: two int8 halves on the integer tensor cores), one step per head (query_codes).
 QUERY_CODE_MAX = 2**14 - 1
+# What each program of the one-launch selection stamps with the GPU's global timer when asked to (triton_fused.py;
+# diagnostics: kernels.block_select.record_phases), in this order.
 PHASE_STAMPS = ("start", "dependency met", "bounds done", "barrier 1 passed", "scores counted", "barrier 2 passed",
                 "counts done", "barrier 3 passed", "end")
 
