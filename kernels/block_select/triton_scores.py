@@ -2,10 +2,10 @@
 (batch, kv head, tile of blocks); blocks past the end are not read.
 
 Mean pooling: `_block_scores_kernel`, the group-averaged query against the tile's max/min descriptors. Softmax
-pooling: `_head_bounds_kernel` writes each head's scaled bounds (`tile_bounds`: Quest's bound as two tensor-core
-products) and the tile's per-head max and sum of exponentials, and `_softmax_pool_kernel` (same grid) reduces
-those over the tiles and sums the heads' probabilities (`pool_scores`). The fused selection (triton_fused.py)
-calls the same two helpers.
+pooling: `_head_bounds_kernel` writes each head's scaled bounds (`tile_bounds`: Quest's bound as tensor-core
+products, of the group's queries as `group_query` prepares them once) and the tile's per-head max and sum of
+exponentials, and `_softmax_pool_kernel` (same grid) reduces those over the tiles and sums the heads' probabilities
+(`pool_scores`). The fused selection (triton_fused.py) calls the same helpers.
 """
 
 from __future__ import annotations
