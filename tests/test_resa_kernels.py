@@ -838,6 +838,11 @@ def test_select_dispatch_takes_the_histogram_and_validates_it():
     assert sync.shape == (1, 2, SYNC_WORDS) and not sync.any()
     with pytest.raises(ValueError, match="sync of shape"):
         select_blocks_triton(*cpu, histogram=histogram, sync=sync[:, :, :2], **args)
+    wide = torch.zeros(1, 2, 3, 2048, dtype=torch.int8)
+    with pytest.raises(ValueError, match="head_dim <= 1024 with int8"):
+        select_blocks_triton(torch.zeros(1, 4, 2048), wide, wide.clone(), torch.tensor([40]), block_size=BS,
+                             rule=KeepRule(0.1, 16, 1, pooling="softmax", centroid=True), width=3, folded=True,
+                             descriptor_scale=torch.zeros(1, 2, 3))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])

@@ -159,6 +159,9 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
         raise ValueError(f"expected width >= {rule.keep(NB)} (the blocks kept at capacity), got {width}")
     if D & (D - 1) or block_size & (block_size - 1):
         raise ValueError(f"expected head_dim and block_size powers of two, got {D} and {block_size}")
+    if quant and rule.pooling == "softmax" and D > 1024:
+        # |sum of query code x descriptor code| <= 16,383 * 127 * D must stay an int32.
+        raise ValueError(f"expected head_dim <= 1024 with int8 descriptors (integer products), got {D}")
     if histogram is not None and (histogram.shape != (B, kmax.shape[1], HIST_BINS) or histogram.dtype != torch.int32
                                   or not histogram.is_contiguous()):
         raise ValueError(f"expected histogram of shape [{B}, {kmax.shape[1]}, {HIST_BINS}] int32 contiguous, got "
