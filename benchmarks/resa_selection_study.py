@@ -18,7 +18,7 @@ block instead of softmaxed over the row (no row-wide normaliser: every part of a
 `hybrid-stale` the softmax pooling with each head's normaliser from the step before (the same layer's; the
 current one at a document's first step), `int8` the hybrid over the descriptors as the shipped profile stores them
 (max + mean and min + mean as int8 codes of a scale per block, rounded outwards) with the query as it is, `int8-codes`
-the same against the query's fixed-point codes (kernels.block_select.query_codes: the shipped scoring), and `oracle` the true attention mass per block summed over the group
+the same against the query's fixed-point codes (kernels.block_select.block_scores: the shipped scoring), and `oracle` the true attention mass per block summed over the group
 (needs every key: an upper bound, not a rule). The floor is the paper's 16 blocks unless --min-blocks says
 otherwise (the shipped 1,024 keeps every block of a CPU-sized document).
 """
@@ -39,7 +39,7 @@ from engines import ENGINES  # noqa: E402
 from engines.decoding import Sampler  # noqa: E402
 from kernels import cdiv  # noqa: E402
 from kernels.block_descriptors import update_block_descriptors  # noqa: E402
-from kernels.block_select import KeepRule, query_codes  # noqa: E402
+from kernels.block_select import KeepRule, block_scores  # noqa: E402
 from longctx_cli.accuracy import PromptBuilder, _ids  # noqa: E402
 from longctx_cli.home import longctx_home  # noqa: E402
 from longctx_cli.models import load_model  # noqa: E402
@@ -83,15 +83,21 @@ def int8_descriptors(key: torch.Tensor, n: int, bs: int) -> tuple[torch.Tensor, 
     return top[0], bottom[0], step[0]
 
 
-def int8_logits(qg: torch.Tensor, codes: tuple, scale: float, query_as_codes: bool) -> torch.Tensor:
-    """The shipped rule's per-head scores [Hkv, G, NB] from int8 descriptors (int8_descriptors): half their Quest
-    bound, scaled; with query_as_codes, the bound of the query's fixed-point codes, exact in integers."""
+def int8_scores(qg: torch.Tensor, codes: tuple, scale: float, query_as_codes: bool) -> torch.Tensor:
+    """The shipped rule over int8 descriptors (int8_descriptors): [Hkv, NB] by the selection's own block_scores,
+    every block scored; with query_as_codes the bound of the query's fixed-point codes (the shipped scoring),
+    otherwise of the query as it is against the dequantized codes."""
     top, bottom, step = codes
-    if not query_as_codes:
-        return quest_bound(qg, top.float() * step[..., None], bottom.float() * step[..., None]) * scale / 2
-    c, q_step = query_codes(qg)
-    exact = torch.maximum(c[:, :, None] * top.int()[:, None], c[:, :, None] * bottom.int()[:, None]).sum(-1)
-    return exact.float() * q_step[..., None] * step[:, None] * scale / 2
+    Hkv, G, D = qg.shape
+    n_blocks = top.shape[1]
+    args = dict(block_size=1, local_blocks=0, pooling="softmax", scale=scale, folded=True)
+    if query_as_codes:
+        s = block_scores(qg.reshape(1, Hkv * G, D), top[None], bottom[None], torch.tensor([n_blocks]),
+                         descriptor_scale=step[None], **args)
+    else:
+        s = block_scores(qg.reshape(1, Hkv * G, D), top[None].float() * step[None, ..., None],
+                         bottom[None].float() * step[None, ..., None], torch.tensor([n_blocks]), **args)
+    return s[0]
 
 
 def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float, mu=None, stale=None,
@@ -101,7 +107,7 @@ def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float,
     if rule == "oracle":
         return probs_blocks.sum(1)
     if rule in ("int8", "int8-codes"):
-        return torch.softmax(int8_logits(qg, codes, scale, rule == "int8-codes"), dim=-1).sum(1)
+        return int8_scores(qg, codes, scale, rule == "int8-codes")
     if rule == "centroid":
         return torch.softmax(torch.einsum("hgd,hnd->hgn", qg, mu) * scale, dim=-1).sum(1)
     if rule == "mean":

@@ -110,10 +110,8 @@ def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length
     descriptor_scale [B, Hkv, NB]: kmax and kmin are int8 codes of it; softmax pooling then takes each head's
     bound from the codes and the query's fixed-point codes (query_codes), exactly, scaled afterwards."""
     B, Hq, D = q.shape
-    codes = None
-    if descriptor_scale is not None and pooling == "softmax":
-        codes = kmax.int(), kmin.int(), descriptor_scale
-    elif descriptor_scale is not None:
+    integer = descriptor_scale is not None and pooling == "softmax"
+    if descriptor_scale is not None and not integer:
         kmax = kmax.float() * descriptor_scale[..., None]
         kmin = kmin.float() * descriptor_scale[..., None]
     Hkv, NB = kmax.shape[1], kmax.shape[2]
@@ -130,14 +128,14 @@ def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length
         elif folded:
             s = s * 0.5
     else:
-        if codes is None:
+        if integer:
+            c, step = query_codes(qg)
+            exact = torch.maximum(c[:, :, :, None] * kmax.int()[:, :, None],
+                                  c[:, :, :, None] * kmin.int()[:, :, None]).sum(dim=-1)  # [B, Hkv, G, NB]
+            bound = exact.float() * step[..., None] * descriptor_scale[:, :, None]
+        else:
             bound = torch.maximum(qg[:, :, :, None] * kmax.float()[:, :, None],
                                   qg[:, :, :, None] * kmin.float()[:, :, None]).sum(dim=-1)  # [B, Hkv, G, NB]
-        else:
-            c, step = query_codes(qg)
-            top, bottom, dscale = codes
-            exact = torch.maximum(c[:, :, :, None] * top[:, :, None], c[:, :, :, None] * bottom[:, :, None]).sum(-1)
-            bound = exact.float() * step[..., None] * dscale[:, :, None]
         if kmean is not None:
             bound = (bound + torch.einsum("bhgd,bhnd->bhgn", qg, kmean.float())) * 0.5
         elif folded:
