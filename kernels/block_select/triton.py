@@ -42,6 +42,9 @@ _FUSED_PARTS = 0
 _FUSED_SPLIT = False
 _FUSED_WARPS = 4
 _FUSED_STAGES = 3  # software pipelining of the bounds' loop over a part's tiles
+# Blocks a part of a row holds in registers (phases 2-4); a row that the device's programs cannot cover in parts of
+# at most this many blocks runs as separate launches.
+_FUSED_PART_MAX = 2048
 _FUSED_LAST = 4  # the last phase run (benchmarks time the phases by stopping early; the output is then unset)
 # Diagnostics (kernels.block_select.record_phases): when a dict, each one-launch selection stamps its programs'
 # phases into an int64 tensor [rows, parts, len(PHASE_STAMPS)] kept there by its sync words' address (one a layer).
@@ -70,6 +73,7 @@ def _launch_fused(fused_args, histogram: torch.Tensor, sync: torch.Tensor, optio
         stamps = _stamps(sync, rows, parts)
         args = fused_args(parts, n_sub, stamps if stamps is not None else sync)
         kw = dict(options, P_PAD=max(16, triton.next_power_of_2(parts)), STAGES=_FUSED_STAGES,
+                  PART=triton.next_power_of_2(n_sub * options["TILE"]),
                   HIST_SLICE=max(16, triton.next_power_of_2(triton.cdiv(HIST_BINS, parts))), num_warps=_FUSED_WARPS,
                   STAMPS=stamps is not None)
         if parts == 1 or split or per_sm == 1 or _holds(device, args, kw, rows) >= per_sm:
@@ -81,6 +85,15 @@ def _launch_fused(fused_args, histogram: torch.Tensor, sync: torch.Tensor, optio
         _fused_select_kernel[(rows, parts)](*args, **kw, FIRST=first, LAST=last)
     if split:
         histogram.zero_()  # as the one launch leaves it
+    elif _FUSED_LAST in (2, 3):
+        sync.zero_()  # stopped before the third barrier, whose last arrival zeroes the words before it
+
+
+def _fused_parts_fit(device: torch.device, rows: int, n_tiles: int, tile: int) -> bool:
+    """Whether the fused launch's parts hold at most _FUSED_PART_MAX blocks, even at one program an SM (the fewest
+    it may fall back to)."""
+    parts = _FUSED_PARTS or max(1, sm_count(device) // rows)
+    return triton.cdiv(n_tiles, min(parts, n_tiles)) * tile <= _FUSED_PART_MAX
 
 
 def _stamps(sync: torch.Tensor, rows: int, parts: int) -> torch.Tensor | None:
@@ -197,7 +210,7 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     bounds_options = dict(GROUP=group, G_DOT=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
                           TILE=tile, CENTROID=rule.centroid, FOLDED=fold, QUANT=quant, IEEE=ieee)
     w_pad = max(16, triton.next_power_of_2(width))
-    if softmax and hist and sync is not None and NB < 65536:
+    if softmax and hist and sync is not None and NB < 65536 and _fused_parts_fit(q.device, B * Hkv, n_tiles, tile):
         bounds = torch.empty(B, Hkv, group, NB, device=q.device, dtype=torch.float32)
 
         def fused_args(parts: int, n_sub: int, stamps: torch.Tensor) -> tuple:

@@ -8,7 +8,8 @@ programs meet between them at a barrier in global memory (`row_barrier`):
 
 1. bounds of the part's blocks (tile_bounds), its per-head max and sum of exp2, and a slice of the row's histogram
    cleared;
-2. the part's pooled scores (pool_scores, over every part's max and sum), counted into the histogram;
+2. the part's pooled scores (pool_scores, over every part's max and sum), counted into the histogram and kept in
+   registers for the phases after it (the part's blocks are one vector there);
 3. the k-th score's bin from the histogram (_kth_bin), and the part's blocks above it and tied with it;
 4. the part's kept blocks written at their places (the counts of the parts before it), -1 past k, and its slice
    of the histogram zeroed again (a call leaves the histogram as the separate launches do: zeroed).
@@ -20,8 +21,9 @@ captured step, which a profiler sees only as one kernel.
 A barrier only works if every program of the row is resident at once: the launcher starts no more programs than
 the device holds at once (from the compiled kernel's registers and shared memory), and a program waits a bounded
 number of polls before it gives up and records that in the row's sync words (`barrier_timeouts`; with 4
-programs an SM asked for where 3 fit, every call gave up). The sync words are scratch the caller keeps zeroed
-between calls (`new_sync`); each barrier leaves its count at zero. Triton's interpreter runs programs one after
+programs an SM asked for where 3 fit, every call gave up). The sync words are scratch the caller zeroes once
+(`new_sync`) and keeps: a call leaves the first two barriers' words at zero and the third's at its count, which the
+next call's first barrier zeroes. Triton's interpreter runs programs one after
 another, so there (and wherever `FIRST`/`LAST` split the phases) the phases run as separate launches of the same
 kernel.
 """
@@ -42,8 +44,10 @@ _HIST_BINS = tl.constexpr(HIST_BINS)
 if HIST_BINS != 64 * 64:
     raise ImportError(f"the fused selection reads the histogram as 64 rows of 64 bins, the selection counts "
                       f"{HIST_BINS}")
-# A row's sync words (reference.SYNC_WORDS): arrivals and generation, unused, barriers given up, unused.
+# A row's sync words (reference.SYNC_WORDS): the arrivals at barriers 1 and 2, the barriers given up, the arrivals
+# at barrier 3.
 _SYNC_WORDS = tl.constexpr(SYNC_WORDS)
+_GIVEN_UP = tl.constexpr(2)
 _MAX_POLLS = tl.constexpr(1 << 22)  # about a second of polling: far past any phase's time, short of a hang
 _N_STAMPS = tl.constexpr(len(PHASE_STAMPS))
 
@@ -56,24 +60,25 @@ def _stamp(Stamps, slot: tl.constexpr, pid_bh, part, n_programs, STAMPS: tl.cons
 
 
 @triton.jit
-def row_barrier(Sync, row, n_programs):
-    """Wait until the n_programs programs of `row` have all arrived. A sense-reversing barrier in one word: the
-    arrivals in its low 16 bits, the generation above them. The last to arrive takes the count back to zero and
-    advances the generation in one atomic; the others poll the generation. Every thread's writes before it are
-    visible to every program of the row after it (bar.sync, then release / acquire by one thread)."""
+def row_barrier(Sync, row, n_programs, WORD: tl.constexpr, BEFORE: tl.constexpr):
+    """Wait until the n_programs programs of `row` have all arrived: each adds one to the barrier's own word and
+    polls it until it reads n_programs, so the last arrival's add is what releases the others. That program then
+    zeroes the word of the barrier before this one (BEFORE), which every program of the row has left (they have all
+    arrived here); the last barrier's word is zeroed at the next call's first barrier. Every thread's writes before
+    the barrier are visible to every program of the row after it (bar.sync, then release / acquire by one thread)."""
     tl.debug_barrier()
-    word = Sync + row * _SYNC_WORDS
-    old = tl.atomic_add(word, 1, sem="acq_rel")
-    if (old & 0xFFFF) == n_programs - 1:
-        tl.atomic_add(word, 65536 - n_programs, sem="release")
+    words = Sync + row * _SYNC_WORDS
+    old = tl.atomic_add(words + WORD, 1, sem="acq_rel")
+    if old == n_programs - 1:
+        tl.atomic_xchg(words + BEFORE, 0, sem="relaxed")
     else:
         polls = 0
         waiting = True
         while waiting:
             polls += 1
-            waiting = ((tl.atomic_add(word, 0, sem="acquire") >> 16) == (old >> 16)) & (polls < _MAX_POLLS)
+            waiting = (tl.atomic_add(words + WORD, 0, sem="acquire") < n_programs) & (polls < _MAX_POLLS)
         if polls >= _MAX_POLLS:
-            tl.atomic_add(word + 2, 1, sem="relaxed")
+            tl.atomic_add(words + _GIVEN_UP, 1, sem="relaxed")
     tl.debug_barrier()
 
 
@@ -100,14 +105,6 @@ def clear_histogram_slice(Hist, pid_bh, part, SLICE: tl.constexpr):
 
 
 @triton.jit
-def _part_keys(Scores, pid_bh, offs, n_blocks, n_blocks_cap, thr, SHIFT: tl.constexpr, BASE: tl.constexpr):
-    inside = offs < n_blocks
-    s = tl.load(Scores + pid_bh * n_blocks_cap + offs, mask=inside, other=float("-inf"), cache_modifier=".cg")
-    key = _bin_of(_int_key(s), SHIFT, BASE)
-    return key, inside, _above_and_ties(key, inside, thr)
-
-
-@triton.jit
 def _fused_select_kernel(
     Q, Kmax, Kmin, Kmean, Scale, Length, Bounds, PartMax, PartSum, Scores, Hist, Counts, Sync, Out, Stamps,
     n_kv_heads, n_blocks_cap, n_programs, n_sub, width, ratio_num, ratio_den, min_blocks, local_blocks, sink_blocks,
@@ -115,7 +112,7 @@ def _fused_select_kernel(
     GROUP: tl.constexpr, G_DOT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
     CENTROID: tl.constexpr, FOLDED: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, P_PAD: tl.constexpr,
     HIST_SLICE: tl.constexpr, W_PAD: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr, FIRST: tl.constexpr,
-    LAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, STAMPS: tl.constexpr,
+    LAST: tl.constexpr, STAGES: tl.constexpr, PART: tl.constexpr, PDL: tl.constexpr, STAMPS: tl.constexpr,
 ):
     """Out [B * Hkv, width] int32 from q [B, Hq, D] and the descriptors; program (row, part) covers the n_sub tiles
     of TILE blocks from part * n_sub. Phases FIRST..LAST run in this launch (1..4: all of them); STAMPS only with
@@ -152,47 +149,48 @@ def _fused_select_kernel(
         tl.store(PartSum + rows * n_programs + part, z_run, mask=heads)
         _stamp(Stamps, 2, pid_bh, part, n_programs, STAMPS)
         if LAST >= 2:
-            row_barrier(Sync, pid_bh, n_programs)
+            row_barrier(Sync, pid_bh, n_programs, 0, 3)
             _stamp(Stamps, 3, pid_bh, part, n_programs, STAMPS)
+    # Phases 2-4 take the part's blocks as one vector of PART lanes (lanes past its n_sub tiles point at
+    # n_blocks_cap, outside every mask) and keep its scores in registers from phase 2 to phase 4.
+    lanes = tl.arange(0, PART)
+    offs = tl.where(lanes < n_sub * TILE, first_block + lanes, n_blocks_cap)
+    inside = offs < n_blocks
     if FIRST <= 2 and LAST >= 2:
-        for t in range(n_sub):
-            offs = first_block + t * TILE + tl.arange(0, TILE)
-            acc = pool_scores(Bounds, PartMax, PartSum, pid_bh, offs, n_blocks, n_blocks_cap, n_programs,
-                              local_blocks, sink_blocks, GROUP, P_PAD)
+        acc = pool_scores(Bounds, PartMax, PartSum, pid_bh, offs, n_blocks, n_blocks_cap, n_programs, local_blocks,
+                          sink_blocks, GROUP, P_PAD)
+        count_score_bins(Hist, pid_bh, acc, inside, SHIFT, BASE)
+        if LAST == 2:  # the phases as separate launches: the next one reads the scores back
             tl.store(Scores + pid_bh * n_blocks_cap + offs, acc, mask=offs < n_blocks_cap)
-            count_score_bins(Hist, pid_bh, acc, offs < n_blocks, SHIFT, BASE)
         _stamp(Stamps, 4, pid_bh, part, n_programs, STAMPS)
         if LAST >= 3:
-            row_barrier(Sync, pid_bh, n_programs)
+            row_barrier(Sync, pid_bh, n_programs, 1, 0)
             _stamp(Stamps, 5, pid_bh, part, n_programs, STAMPS)
+    if FIRST >= 3:
+        acc = tl.load(Scores + pid_bh * n_blocks_cap + offs, mask=offs < n_blocks_cap, other=float("-inf"),
+                      cache_modifier=".cg")
+    if LAST >= 3:
+        key = _bin_of(_int_key(acc), SHIFT, BASE)
     if FIRST <= 3 and LAST >= 3:
         thr, above = _kth_bin(Hist, pid_bh, k)
-        packed = tl.zeros([], tl.uint32)
-        for t in range(n_sub):
-            offs = first_block + t * TILE + tl.arange(0, TILE)
-            _, _, both = _part_keys(Scores, pid_bh, offs, n_blocks, n_blocks_cap, thr, SHIFT, BASE)
-            packed += tl.sum(both, 0)
-        tl.store(Counts + pid_bh * n_programs + part, packed.to(tl.int32, bitcast=True))
+        both = _above_and_ties(key, inside, thr)
+        tl.store(Counts + pid_bh * n_programs + part, tl.sum(both, 0).to(tl.int32, bitcast=True))
         _stamp(Stamps, 6, pid_bh, part, n_programs, STAMPS)
         if LAST >= 4:
-            row_barrier(Sync, pid_bh, n_programs)
+            row_barrier(Sync, pid_bh, n_programs, 3, 1)
             _stamp(Stamps, 7, pid_bh, part, n_programs, STAMPS)
     if LAST >= 4:
         if FIRST == 4:
             thr, above = _kth_bin(Hist, pid_bh, k)
+            both = _above_and_ties(key, inside, thr)
         else:
             # Every program of the row has read the histogram (phase 3): zeroed again for whoever calls next.
             clear_histogram_slice(Hist, pid_bh, part, HIST_SLICE)
         offs_p = tl.arange(0, P_PAD)
         counts = tl.load(Counts + pid_bh * n_programs + offs_p, mask=offs_p < part, other=0, cache_modifier=".cg")
         before = tl.sum(counts.to(tl.uint32, bitcast=True), 0)
-        ties = (k - above).to(tl.int32)
         out_row = Out + pid_bh * width
-        for t in range(n_sub):
-            offs = first_block + t * TILE + tl.arange(0, TILE)
-            key, inside, both = _part_keys(Scores, pid_bh, offs, n_blocks, n_blocks_cap, thr, SHIFT, BASE)
-            _store_taken(out_row, key, inside, offs, before + tl.cumsum(both, 0), thr, ties)
-            before += tl.sum(both, 0)
+        _store_taken(out_row, key, inside, offs, before + tl.cumsum(both, 0), thr, (k - above).to(tl.int32))
         if part == 0:
             offs_w = tl.arange(0, W_PAD)
             tl.store(out_row + offs_w, tl.full([W_PAD], -1, tl.int32), mask=(offs_w >= k) & (offs_w < width))
