@@ -137,8 +137,8 @@ def _fused_select_kernel(
         for t in tl.range(0, n_sub, num_stages=STAGES):
             offs = first_block + t * TILE + tl.arange(0, TILE)
             s = tile_bounds(a_pos, a_neg, a_pos_lo, a_neg_lo, step, q, Kmax, Kmin, Kmean, Scale, b, h, offs,
-                            n_blocks, local_blocks, sink_blocks, scale_log2, stride_db, stride_dh, stride_dn,
-                            stride_sb, stride_sh, HEAD_DIM, CENTROID, FOLDED, QUANT, IEEE)
+                            n_blocks, n_blocks_cap, local_blocks, sink_blocks, scale_log2, stride_db, stride_dh,
+                            stride_dn, stride_sb, stride_sh, HEAD_DIM, CENTROID, FOLDED, QUANT, IEEE)
             tl.store(Bounds + rows[:, None] * n_blocks_cap + offs[None, :], s,
                      mask=heads[:, None] & (offs[None, :] < n_blocks_cap))
             m_new = tl.maximum(m_run, tl.max(s, 1))

@@ -119,24 +119,27 @@ def group_query(Q, Kmax, b, h, stride_qb, stride_qh, GROUP: tl.constexpr, G_DOT:
 
 @triton.jit
 def tile_bounds(a_pos, a_neg, a_pos_lo, a_neg_lo, step, q, Kmax, Kmin, Kmean, Scale, b, h, offs, n_blocks,
-                local_blocks, sink_blocks, scale_log2, stride_db, stride_dh, stride_dn, stride_sb, stride_sh,
-                HEAD_DIM: tl.constexpr, CENTROID: tl.constexpr, FOLDED: tl.constexpr, QUANT: tl.constexpr,
+                n_blocks_cap, local_blocks, sink_blocks, scale_log2, stride_db, stride_dh, stride_dn, stride_sb,
+                stride_sh, HEAD_DIM: tl.constexpr, CENTROID: tl.constexpr, FOLDED: tl.constexpr, QUANT: tl.constexpr,
                 IEEE: tl.constexpr):
     """Every head's scaled bounds over the blocks `offs` of row (b, h), from its group_query: [G_DOT, TILE] fp32
     (rows past the group are zeros), -inf where a block is not scored. Quest's bound is two products on the
     tensor cores: sum_d max(q_d * kmax_d, q_d * kmin_d) = max(q, 0) . kmax + min(q, 0) . kmin, as kmax >= kmin.
     QUANT: int8 descriptors against the queries' fixed-point codes on the integer tensor cores, exact, the integer
-    bounds then scaled per head and per block (the codes feed the products as loaded)."""
+    bounds then scaled per head and per block (the codes feed the products as loaded). The loads are bounded by the
+    descriptors' capacity (n_blocks_cap) rather than by n_blocks, so that they need not wait for the length: what
+    the blocks past it hold is masked out of the result."""
     offs_d = tl.arange(0, HEAD_DIM)
     scored = (offs < n_blocks - local_blocks) & (offs >= sink_blocks)
+    held = offs < n_blocks_cap
     base = b * stride_db + h * stride_dh + offs[:, None] * stride_dn + offs_d[None, :]
-    top = tl.load(Kmax + base, mask=scored[:, None], other=0.0)  # [TILE, HEAD_DIM]
-    bottom = tl.load(Kmin + base, mask=scored[:, None], other=0.0)
+    top = tl.load(Kmax + base, mask=held[:, None], other=0.0)  # [TILE, HEAD_DIM]
+    bottom = tl.load(Kmin + base, mask=held[:, None], other=0.0)
     if QUANT:
         s = (tl.dot(a_pos, tl.trans(top)) + tl.dot(a_neg, tl.trans(bottom))) * 128
         s += tl.dot(a_pos_lo, tl.trans(top)) + tl.dot(a_neg_lo, tl.trans(bottom))  # int32 [G_DOT, TILE]
         s = s.to(tl.float32) * step[:, None]
-        s = s * tl.load(Scale + b * stride_sb + h * stride_sh + offs, mask=scored, other=0.0)[None, :]
+        s = s * tl.load(Scale + b * stride_sb + h * stride_sh + offs, mask=held, other=0.0)[None, :]
     else:
         if IEEE:
             top, bottom = top.to(tl.float32), bottom.to(tl.float32)
@@ -144,7 +147,7 @@ def tile_bounds(a_pos, a_neg, a_pos_lo, a_neg_lo, step, q, Kmax, Kmin, Kmean, Sc
     if FOLDED:
         s = s * 0.5  # the descriptors' bound is Quest's plus q . mean
     elif CENTROID:
-        mean = tl.load(Kmean + base, mask=scored[:, None], other=0.0)
+        mean = tl.load(Kmean + base, mask=held[:, None], other=0.0)
         s = (s + _dot(q, mean.to(q.dtype), IEEE)) * 0.5
     return tl.where(scored[None, :], s * scale_log2, float("-inf"))
 
@@ -168,8 +171,8 @@ def _head_bounds_kernel(
     a_pos, a_neg, a_pos_lo, a_neg_lo, step, q = group_query(Q, Kmax, b, h, stride_qb, stride_qh, GROUP, G_DOT,
                                                              HEAD_DIM, QUANT, IEEE)
     s = tile_bounds(a_pos, a_neg, a_pos_lo, a_neg_lo, step, q, Kmax, Kmin, Kmean, Scale, b, h, offs, n_blocks,
-                    local_blocks, sink_blocks, scale_log2, stride_db, stride_dh, stride_dn, stride_sb, stride_sh,
-                    HEAD_DIM, CENTROID, FOLDED, QUANT, IEEE)
+                    n_blocks_cap, local_blocks, sink_blocks, scale_log2, stride_db, stride_dh, stride_dn, stride_sb,
+                    stride_sh, HEAD_DIM, CENTROID, FOLDED, QUANT, IEEE)
     m = tl.max(s, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     offs_g = tl.arange(0, G_DOT)
