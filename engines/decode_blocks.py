@@ -12,7 +12,8 @@ the model's own modules and its chunk shapes):
   projection) run through kernels/gemv: on CUDA a Triton GEMV that streams the weight rows at more of the memory
   bandwidth than cuBLAS's one-row GEMMs (H200: Qwen3-1.7B's four 40.4 -> 31.5 us a layer, benchmarks/README.md).
 - Folds (with fused projections; engines/decode_folds.py): the Llama, Mistral and Qwen layers' two RMSNorms
-  computed inside the GEMVs they feed, Qwen 3's q/k norms inside the rotation, a gated MLP's activation
+  computed inside the GEMVs they feed, one token's q and k rotated by one kernel with Qwen 3's q/k norms inside
+  it, a gated MLP's activation
   formed by the gate/up GEMV as it stores, and the MLP's residual add made by the down GEMV: kernels, and the
   launch gaps before the GEMVs, a layer fewer.
 - Compiled blocks (run key `compile_decode`, off): the MLPs (with fused projections, their activation * up
@@ -22,9 +23,10 @@ the model's own modules and its chunk shapes):
   the attention (Qwen 3's and Gemma 3's per-head q_norm and k_norm: eagerly 16 kernels a layer) and the final
   one. Their shapes never change with the document, so one compilation serves every layer and document; the
   attention (Triton launchers, the engine's cache state) stays eager. The rotary embedding,
-  `apply_rotary_pos_emb` in the model's modeling module, is compiled too: eagerly it is ~10 kernels per layer
-  (~0.6 ms of an 8B step). The attention forward looks that function up in its module's globals, so it is
-  swapped there, as Liger Kernel patches it; the model's classes are untouched.
+  `apply_rotary_pos_emb` in the model's modeling module, is compiled too where its kernel does not take it
+  (several rows, or no fused projections): eagerly it is ~10 kernels per layer (~0.6 ms of an 8B step). The
+  attention forward looks that function up in its module's globals, so it is swapped there, as Liger Kernel
+  patches it; the model's classes are untouched.
 """
 
 from __future__ import annotations
@@ -35,12 +37,11 @@ import weakref
 
 import torch
 
-from engines.decode_folds import (NORM_INTO_PROJECTIONS, NORMS_INTO_ROTARY, Noted, Passed, RotaryAfterNorms,
-                                  activation_name, llama_norm, one_row, residual_into_down)
+from engines.decode_folds import (NORM_INTO_PROJECTIONS, NORMS_INTO_ROTARY, Noted, Passed, Rotation, activation_name,
+                                  llama_norm, one_row, residual_into_down)
 from kernels.gemv import gemv, gemv_backend
 
 _COMPILED_SUFFIXES = ("MLP", "RMSNorm")
-_COMPILED_FUNCTIONS = ("apply_rotary_pos_emb",)  # looked up in the attention class's module at call time
 # Fused weight buffers, per projecting module (attention or MLP), shared by every engine on the model.
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -187,10 +188,10 @@ class DecodeBlocks:
                     replacement.compile_gate()
                 elif compile and type(child).__name__.endswith(_COMPILED_SUFFIXES):
                     replacement = torch.compile(replacement, dynamic=False)
-                if fuse and type(child).__name__ in NORMS_INTO_ROTARY:
-                    self._defer_qk_norms(child, compile)
+                rotation = self._rotation(child, fuse, compile) if hasattr(child, "q_proj") else None
+                if rotation is not None and fuse and type(child).__name__ in NORMS_INTO_ROTARY:
+                    self._defer_qk_norms(child, rotation)
                 if compile and hasattr(child, "q_proj"):
-                    self._compile_functions(sys.modules[type(child).__module__])
                     self._compile_norms(child)  # Qwen 3's and Gemma 3's per-head q_norm and k_norm
                 if replacement is not child:
                     self.slots.append((layer, name, child, replacement))
@@ -233,19 +234,29 @@ class DecodeBlocks:
             self.forwards.append((layer, residual_into_down(layer, mlp)))
             self.fused.add("residual")
 
-    def _defer_qk_norms(self, attn: torch.nn.Module, compile: bool) -> None:
-        """attn's q_norm and k_norm applied by the rotation that follows them (NORMS_INTO_ROTARY's attentions)."""
-        params = [llama_norm(getattr(attn, name, None)) for name in ("q_norm", "k_norm")]
+    def _rotation(self, attn: torch.nn.Module, fuse: bool, compile: bool) -> Rotation | None:
+        """The Rotation swapped in for apply_rotary_pos_emb in attn's modeling module (one per module): its kernel
+        for one token with fused projections, compiled with `compile`. The attention forward looks the function up
+        in its module's globals at call time."""
         module = sys.modules[type(attn).__module__]
         rope = getattr(module, "apply_rotary_pos_emb", None)
-        if None in params or not callable(rope):
+        if not callable(rope) or not (fuse or compile):
+            return None
+        rotation = next((r for m, n, _, r in self.functions if m is module and n == "apply_rotary_pos_emb"), None)
+        if rotation is None:
+            rotation = Rotation(rope, compile, kernel=fuse)
+            self.functions.append((module, "apply_rotary_pos_emb", rope, rotation))
+            if fuse:
+                self.fused.add("rotation")
+        return rotation
+
+    def _defer_qk_norms(self, attn: torch.nn.Module, rotation: Rotation) -> None:
+        """attn's q_norm and k_norm applied by the rotation that follows them (NORMS_INTO_ROTARY's attentions)."""
+        params = [llama_norm(getattr(attn, name, None)) for name in ("q_norm", "k_norm")]
+        if None in params:
             return
-        rotary = next((r for m, n, _, r in self.functions if m is module and n == "apply_rotary_pos_emb"), None)
-        if rotary is None:
-            rotary = RotaryAfterNorms(rope, compile)
-            self.functions.append((module, "apply_rotary_pos_emb", rope, rotary))
         for name, p in zip(("q_norm", "k_norm"), params):
-            self.slots.append((attn, name, getattr(attn, name), Noted(rotary, p)))
+            self.slots.append((attn, name, getattr(attn, name), Noted(rotation, p)))
         self.fused.add("qk_norms")
 
     def _compile_norms(self, parent: torch.nn.Module) -> None:
@@ -254,12 +265,6 @@ class DecodeBlocks:
         for name, child in parent.named_children():
             if type(child).__name__.endswith("RMSNorm") and (parent, name) not in taken:
                 self.slots.append((parent, name, child, torch.compile(child, dynamic=False)))
-
-    def _compile_functions(self, module) -> None:
-        for name in _COMPILED_FUNCTIONS:
-            fn = getattr(module, name, None)
-            if callable(fn) and not any(m is module and n == name for m, n, _, _ in self.functions):
-                self.functions.append((module, name, fn, torch.compile(fn, dynamic=False)))
 
     def _fuse_attention(self, attn: torch.nn.Module) -> None:
         names = ("q_proj", "k_proj", "v_proj")

@@ -5,8 +5,9 @@
   (kernels/gemv's `norm`). A norm folds only where it equals transformers' Llama RMSNorm bit for bit on a random row
   and its layer class is listed (`NORM_INTO_PROJECTIONS`): that its output feeds nothing else is a fact about the
   layer's forward, which no check of the norm alone can see.
-- Qwen 3's per-head q and k norms into the rotation after them (`Noted`, `RotaryAfterNorms`): the norms note their
-  weights and pass their input through, and the rotation applies both first, as one compiled function.
+- The rotary embedding of one token's q and k in one kernel (`Rotation`: kernels/rotary's rotate_qk, where the
+  compiled function ran two), with Qwen 3's per-head q and k norms folded in (`Noted`): the norms note their
+  weights and pass their input through, and the rotation applies both first.
 - A gated MLP's activation into the gate/up GEMV (`activation_name`: the kernels/gemv name of the module's own
   activation, found bit for bit).
 - The MLP's residual add into the down projection's GEMV (`residual_into_down`): the add is in the decoder layer's
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from kernels.gemv import ACTIVATIONS, rms_norm
+from kernels.rotary import rotate_qk
 
 # Decoder layers whose input_layernorm feeds only the attention's q/k/v and post_attention_layernorm only the MLP.
 NORM_INTO_PROJECTIONS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
@@ -67,32 +69,45 @@ def llama_norm(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
         return (weight, eps) if torch.equal(norm(x), rms_norm(x, weight, eps)) else None
 
 
-class RotaryAfterNorms:
-    """The modeling module's apply_rotary_pos_emb, applying first the q and k norms noted just before it (`Noted`):
-    norms and rotation as one function (compiled, one Inductor graph instead of three)."""
+class Rotation:
+    """The modeling module's apply_rotary_pos_emb as a captured step runs it, applying first the q and k norms noted
+    just before it (`Noted`), if any. With `kernel`, a decode step's one token on CUDA is rotated by one launch
+    (kernels/rotary's rotate_qk: q's and k's norms and rotations together); otherwise norms and rotation run as one
+    function (compiled with `compile`: one Inductor graph instead of three)."""
 
-    def __init__(self, rope, compile: bool):
+    def __init__(self, rope, compile: bool, kernel: bool):
         def norm_rope(q, k, cos, sin, wq, eps_q, wk, eps_k, unsqueeze_dim=1):
             return rope(rms_norm(q, wq, eps_q), rms_norm(k, wk, eps_k), cos, sin, unsqueeze_dim)
 
         wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
         self.rope, self.norm_rope = wrap(rope), wrap(norm_rope)
+        self.kernel = kernel
         self.pending: list[tuple[torch.Tensor, float]] = []
 
     def __call__(self, q, k, cos, sin, unsqueeze_dim=1):
-        if not self.pending:
+        norms, self.pending = self.pending, []
+        if norms and len(norms) != 2:
+            raise RuntimeError(f"expected the q and k norms before the rotation, got {len(norms)} noted")
+        if self.kernel and unsqueeze_dim == 1 and _one_token(q, k, cos, sin, norms):
+            return rotate_qk(q, k, cos, sin, *norms)
+        if not norms:
             return self.rope(q, k, cos, sin, unsqueeze_dim)
-        if len(self.pending) != 2:
-            raise RuntimeError(f"expected the q and k norms before the rotation, got {len(self.pending)} noted")
-        (wq, eps_q), (wk, eps_k) = self.pending
-        self.pending = []
+        (wq, eps_q), (wk, eps_k) = norms
         return self.norm_rope(q, k, cos, sin, wq, eps_q, wk, eps_k, unsqueeze_dim)
+
+
+def _one_token(q, k, cos, sin, norms) -> bool:
+    """Whether rotate_qk's kernel takes these: one token's q [B, Hq, 1, D] and k on CUDA, cos / sin [B, 1, D] (the
+    whole head rotated), norm weights in q's dtype."""
+    B, D = q.shape[0], q.shape[-1]
+    return (q.is_cuda and q.dim() == 4 and q.shape[2] == 1 and k.dim() == 4 and k.shape[2:] == (1, D)
+            and cos.shape == sin.shape == (B, 1, D) and all(w.dtype == q.dtype for w, _ in norms))
 
 
 class Noted(torch.nn.Module):
     """A q or k norm deferred to the rotation after it: notes its weight and passes its input through."""
 
-    def __init__(self, rotary: RotaryAfterNorms, params: tuple[torch.Tensor, float]):
+    def __init__(self, rotary: Rotation, params: tuple[torch.Tensor, float]):
         super().__init__()
         self.rotary, self.params = rotary, params
 

@@ -51,7 +51,7 @@ def test_fused_projections_share_one_buffer_and_give_the_models_logits(lm):
         before = lm.model(ids).logits
     params = sum(p.numel() for p in lm.model.parameters())
     blocks = DecodeBlocks(lm.model, fuse=True, compile=False)
-    assert blocks.fused == {"qkv", "gate_up", "activation"}
+    assert blocks.fused == {"qkv", "gate_up", "activation", "rotation"}
     assert sum(p.numel() for p in lm.model.parameters()) == params
     layers = lm.model.get_decoder().layers
     for layer in layers:
@@ -96,7 +96,7 @@ def test_norms_fold_into_the_projections_they_feed(family):
     with torch.inference_mode():
         want = [model(ids).logits for ids in (one, several)]
     blocks = DecodeBlocks(model, fuse=True, compile=False)
-    assert blocks.fused == {"qkv", "gate_up", "norms", "activation", "residual"} | \
+    assert blocks.fused == {"qkv", "gate_up", "norms", "activation", "residual", "rotation"} | \
         ({"qk_norms"} if family == "qwen3" else set())
     with torch.inference_mode(), blocks.swapped():
         layers = model.model.layers
@@ -187,8 +187,8 @@ def test_fused_and_compiled_decode_error_within_twice_the_eager_steps_error_on_g
         counters = engine.counters(state)
         assert counters["decode_compiled_blocks"] is compiled
         # Qwen 3's norms fold into the GEMVs and the rotation; Gemma 3's (another form) keep their modules.
-        folded = "activation+gate_up+norms+qk_norms+qkv+residual" if preset == "qwen3-1.7b" \
-            else "activation+gate_up+qkv"
+        folded = "activation+gate_up+norms+qk_norms+qkv+residual+rotation" if preset == "qwen3-1.7b" \
+            else "activation+gate_up+qkv+rotation"
         assert counters["decode_fused_projections"] == (folded if fuse else "none")
         assert counters["decode_projections"] == ("triton gemv" if fuse else "torch linear")
     reference = copy.deepcopy(lm.model).float()

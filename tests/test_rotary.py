@@ -1,8 +1,10 @@
-"""rotary: keys rotated and un-rotated at per-row positions from a cos/sin table.
+"""rotary: keys rotated and un-rotated at per-row positions from a cos/sin table; a decode step's q and k rotated
+at its position, after their per-head norms.
 
-The reference is held to the model's own rotation (transformers' apply_rotary_pos_emb with the model's rotary
-module) on CPU; `triton` tests hold the Triton kernel to the reference bit for bit (on CUDA, or on CPU through
-Triton's interpreter).
+The references are held to the model's own rotation (transformers' apply_rotary_pos_emb with the model's rotary
+module) on CPU; `triton` tests hold the Triton kernels to the references (on CUDA, or on CPU through Triton's
+interpreter): bit for bit where every operation rounds as the reference's, within two roundings of the model's
+dtype where the norm's sum of squares is summed in another order.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels.rotary import rotate_rows, rotate_rows_reference
+from kernels.gemv import rms_norm
+from kernels.rotary import rotate_half, rotate_qk, rotate_qk_reference, rotate_rows, rotate_rows_reference
 from tests.conftest import TRITON_DEVICE
 
 
@@ -86,3 +89,87 @@ def test_dispatch_on_cpu_is_the_reference():
     cos, sin = _tables(64, 256)
     x, positions = _case(1, 2, 20, 64, torch.float32)
     assert torch.equal(rotate_rows(x, positions, cos, sin), rotate_rows_reference(x, positions, cos, sin))
+
+
+def _qk_case(B, Hq, Hkv, D, dtype, norms, seed=42):
+    g = torch.Generator().manual_seed(seed)
+    # q and k as the attention hands them over: one token's projection viewed as heads, then transposed.
+    q = (3 * torch.randn(B, 1, Hq, D, generator=g)).to(dtype).transpose(1, 2)
+    k = (3 * torch.randn(B, 1, Hkv, D, generator=g)).to(dtype).transpose(1, 2)
+    angles = torch.rand(B, 1, D, generator=g) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    weights = [((torch.rand(D, generator=g) + 0.5).to(dtype), 1e-6) for _ in range(2)] if norms else [None, None]
+    return q, k, cos, sin, *weights
+
+
+@pytest.mark.parametrize("norms", [False, True], ids=["rope", "norms+rope"])
+def test_rotate_qk_reference_is_the_models_rotation(norms):
+    """In fp32, the model's own rotation of its norms' outputs (Qwen 3's order: per-head RMSNorm, then rotation)."""
+    q, k, cos, sin, q_norm, k_norm = _qk_case(2, 4, 2, 64, torch.float32, norms)
+    want = apply_rotary_pos_emb(rms_norm(q, *q_norm) if norms else q, rms_norm(k, *k_norm) if norms else k, cos, sin)
+    got = rotate_qk_reference(q, k, cos, sin, q_norm, k_norm)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def _product_size(x, norm, cos, sin):
+    """|x| |cos| + |rotate_half(x)| |sin| of the (normed) row: the scale of the rotation's products, per element."""
+    x = (rms_norm(x, *norm) if norm is not None else x).float()
+    c, s = cos.float().abs().unsqueeze(1), sin.float().abs().unsqueeze(1)
+    return x.abs() * c + rotate_half(x).abs() * s
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("B,Hq,Hkv,D,dtype,norms", [
+    pytest.param(1, 16, 8, 128, torch.bfloat16, True, id="B1-Hq16-Hkv8-D128-bf16-norms"),
+    pytest.param(1, 32, 8, 128, torch.bfloat16, False, id="B1-Hq32-Hkv8-D128-bf16"),
+    pytest.param(2, 4, 1, 256, torch.bfloat16, False, id="B2-Hq4-Hkv1-D256-bf16"),
+    pytest.param(2, 6, 2, 64, torch.float32, False, id="B2-Hq6-Hkv2-D64-fp32"),
+    pytest.param(1, 6, 2, 64, torch.float32, True, id="B1-Hq6-Hkv2-D64-fp32-norms"),
+])
+def test_rotate_qk_triton_matches_reference(B, Hq, Hkv, D, dtype, norms):
+    from kernels.rotary.triton import rotate_qk_triton
+
+    q, k, cos, sin, q_norm, k_norm = _qk_case(B, Hq, Hkv, D, dtype, norms)
+    want = rotate_qk_reference(q, k, cos, sin, q_norm, k_norm)
+    moved = [None if n is None else (n[0].to(TRITON_DEVICE), n[1]) for n in (q_norm, k_norm)]
+    got = rotate_qk_triton(*(t.to(TRITON_DEVICE) for t in (q, k, cos, sin)), *moved)
+    sizes = [_product_size(x, norm, cos, sin) for x, norm in ((q, q_norm), (k, k_norm))]
+    for g, w, heads, size in zip(got, want, (Hq, Hkv), sizes):
+        assert g.dtype == dtype and g.shape == (B, heads, 1, D)
+        g = g.cpu()
+        if dtype == torch.float32 and not norms:
+            assert torch.equal(g, w)
+        else:
+            # A rounding of the normed row apart (its sum of squares is summed in another order), which the rotation
+            # carries at the size of its products; under the interpreter, which truncates fp32 to bf16 where the GPU
+            # rounds, up to three (the normed row, its product with the weight, the result).
+            assert ((g.float() - w.float()).abs() <= 4 * torch.finfo(dtype).eps * size + 1e-6).all()
+    # A wrong half's sign or the norm left out would show far past that bound.
+    other = rotate_qk_reference(q, k, -cos, sin, q_norm, k_norm)
+    assert not torch.allclose(got[0].cpu().float(), other[0].float(), rtol=0.1, atol=0.1)
+
+
+@pytest.mark.triton
+def test_rotate_qk_launcher_rejects_bad_inputs():
+    from kernels.rotary.triton import rotate_qk_triton
+
+    q, k, cos, sin, q_norm, k_norm = (t if not isinstance(t, tuple) else (t[0].to(TRITON_DEVICE), t[1])
+                                      for t in _qk_case(1, 4, 2, 64, torch.bfloat16, True))
+    q, k, cos, sin = (t.to(TRITON_DEVICE) for t in (q, k, cos, sin))
+    with pytest.raises(ValueError, match=r"expected q of shape \[B, Hq, 1, D\]"):
+        rotate_qk_triton(q.expand(1, 4, 2, 64), k, cos, sin)
+    with pytest.raises(ValueError, match=r"expected k of shape \[1, Hkv, 1, 64\]"):
+        rotate_qk_triton(q, k.float(), cos, sin)
+    with pytest.raises(ValueError, match=r"expected cos of shape \[1, 1, 64\]"):
+        rotate_qk_triton(q, k, cos[0], sin)
+    with pytest.raises(ValueError, match="both the q and the k norm"):
+        rotate_qk_triton(q, k, cos, sin, q_norm)
+    with pytest.raises(ValueError, match=r"expected the k norm weight of shape \[64\]"):
+        rotate_qk_triton(q, k, cos, sin, q_norm, (k_norm[0].float(), k_norm[1]))
+
+
+def test_rotate_qk_dispatch_on_cpu_is_the_reference():
+    q, k, cos, sin, q_norm, k_norm = _qk_case(1, 4, 2, 64, torch.float32, True)
+    for g, w in zip(rotate_qk(q, k, cos, sin, q_norm, k_norm), rotate_qk_reference(q, k, cos, sin, q_norm, k_norm)):
+        assert torch.equal(g, w)

@@ -299,7 +299,7 @@ def test_per_device_graphs_answer_as_the_eager_step(split_lm, unsplit_answer, pr
     assert state.decode.segments.captured
     assert _Replayed.replays - before >= 2 * 7  # two segments, every step after the first token
     assert engine.counters(state)["decode_cuda_graph"] == "one per device (2)"
-    assert engine.counters(state)["decode_fused_projections"] == "activation+gate_up+qkv"
+    assert engine.counters(state)["decode_fused_projections"] == "activation+gate_up+qkv+rotation"
 
 
 def _blocks(split_lm):
