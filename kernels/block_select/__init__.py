@@ -70,8 +70,9 @@ def new_histogram(batch: int, kv_heads: int, device) -> torch.Tensor:
 
 
 def new_sync(batch: int, kv_heads: int, device) -> torch.Tensor:
-    """The sync words `select_blocks` keeps between calls, zeroed. A call leaves its arrival counts at zero (the
-    barriers' generation moves on) and adds the barriers it gave up to their count (`barrier_timeouts`)."""
+    """The sync words `select_blocks` keeps between calls, zeroed. A call leaves its first two barriers' arrival
+    counts at zero and its third's at the row's program count (the next call's first barrier zeroes it), and adds
+    the barriers it gave up to their count (`barrier_timeouts`)."""
     return torch.zeros(batch, kv_heads, SYNC_WORDS, dtype=torch.int32, device=device)
 
 
