@@ -762,6 +762,28 @@ def test_select_triton_fused_equals_one_program_a_row(monkeypatch, n_blocks, par
 
 
 @pytest.mark.triton
+def test_select_triton_parts_past_the_register_limit_run_as_launches(monkeypatch):
+    """The one launch holds a part's blocks in registers from its second phase on: where the row's parts would hold
+    more than _FUSED_PART_MAX blocks the selection runs as the separate launches instead, with the same blocks."""
+    import kernels.block_select.triton as triton_select
+
+    q, _, _, kmax, kmin, length = _problem(2, 2, 1000 * BS, 64, torch.float32)
+    rule = KeepRule(0.1, 16, 1, 1, pooling="softmax")
+    kw = dict(block_size=BS, rule=rule, width=rule.keep(kmax.shape[2]), scale=64**-0.5)
+    want = select_ref(*(t.cpu() for t in (q, kmax, kmin, length)), **kw)
+    fused = []
+    launch_fused = triton_select._launch_fused
+    monkeypatch.setattr(triton_select, "_launch_fused", lambda *a, **k: fused.append(1) or launch_fused(*a, **k))
+    monkeypatch.setattr(triton_select, "_FUSED_PARTS", 2)
+    for part_max, one_launch in ((2048, True), (256, False)):  # 8 tiles of 128 blocks: parts of 512
+        monkeypatch.setattr(triton_select, "_FUSED_PART_MAX", part_max)
+        fused.clear()
+        got = triton_select.select_blocks_triton(q, kmax, kmin, length, histogram=new_histogram(2, 2, DEVICE),
+                                                 sync=new_sync(2, 2, DEVICE), **kw)
+        assert bool(fused) is one_launch and torch.equal(got.cpu(), want)
+
+
+@pytest.mark.triton
 def test_phase_stamps_refuse_the_phases_as_separate_launches(monkeypatch):
     """Phase stamps time the one launch; asked for where the phases run as separate launches (the interpreter,
     _FUSED_SPLIT) the selection says so instead of stamping part of them."""
