@@ -38,7 +38,7 @@ import weakref
 import torch
 
 from engines.decode_folds import (NORM_INTO_PROJECTIONS, NORMS_INTO_ROTARY, Noted, Passed, Rotation, activation_name,
-                                  llama_norm, one_row, residual_into_down)
+                                  llama_norm, one_row, residual_into_down, rotates_halves)
 from kernels.gemv import gemv, gemv_backend
 
 _COMPILED_SUFFIXES = ("MLP", "RMSNorm")
@@ -236,7 +236,8 @@ class DecodeBlocks:
 
     def _rotation(self, attn: torch.nn.Module, fuse: bool, compile: bool) -> Rotation | None:
         """The Rotation swapped in for apply_rotary_pos_emb in attn's modeling module (one per module): its kernel
-        for one token with fused projections, compiled with `compile`. The attention forward looks the function up
+        for one token with fused projections where the function rotates halves as the kernel does, compiled with
+        `compile`. The attention forward looks the function up
         in its module's globals at call time."""
         module = sys.modules[type(attn).__module__]
         rope = getattr(module, "apply_rotary_pos_emb", None)
@@ -244,9 +245,9 @@ class DecodeBlocks:
             return None
         rotation = next((r for m, n, _, r in self.functions if m is module and n == "apply_rotary_pos_emb"), None)
         if rotation is None:
-            rotation = Rotation(rope, compile, kernel=fuse)
+            rotation = Rotation(rope, compile, kernel=fuse and rotates_halves(rope))
             self.functions.append((module, "apply_rotary_pos_emb", rope, rotation))
-            if fuse:
+            if rotation.kernel:
                 self.fused.add("rotation")
         return rotation
 

@@ -6,8 +6,9 @@
   and its layer class is listed (`NORM_INTO_PROJECTIONS`): that its output feeds nothing else is a fact about the
   layer's forward, which no check of the norm alone can see.
 - The rotary embedding of one token's q and k in one kernel (`Rotation`: kernels/rotary's rotate_qk, where the
-  compiled function ran two), with Qwen 3's per-head q and k norms folded in (`Noted`): the norms note their
-  weights and pass their input through, and the rotation applies both first.
+  compiled function ran two), where the module's function is found to rotate halves as it does (`rotates_halves`),
+  with Qwen 3's per-head q and k norms folded in (`Noted`): the norms note their weights and pass their input
+  through, and the rotation applies both first.
 - A gated MLP's activation into the gate/up GEMV (`activation_name`: the kernels/gemv name of the module's own
   activation, found bit for bit).
 - The MLP's residual add into the down projection's GEMV (`residual_into_down`): the add is in the decoder layer's
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kernels.gemv import ACTIVATIONS, rms_norm
-from kernels.rotary import rotate_qk
+from kernels.rotary import rotate_qk, rotate_qk_reference
 
 # Decoder layers whose input_layernorm feeds only the attention's q/k/v and post_attention_layernorm only the MLP.
 NORM_INTO_PROJECTIONS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
@@ -94,6 +95,24 @@ class Rotation:
             return self.rope(q, k, cos, sin, unsqueeze_dim)
         (wq, eps_q), (wk, eps_k) = norms
         return self.norm_rope(q, k, cos, sin, wq, eps_q, wk, eps_k, unsqueeze_dim)
+
+
+def rotates_halves(rope) -> bool:
+    """Whether `rope` (a modeling module's apply_rotary_pos_emb) computes what rotate_qk computes, transformers'
+    rotation of each head's two halves (q * cos + rotate_half(q) * sin over the whole head): checked bit for bit in
+    fp32 on a random token, as a family that rotates interleaved pairs or part of the head must not be taken for it."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 1, 16, generator=gen), torch.randn(1, 1, 1, 16, generator=gen)
+    angles = torch.rand(1, 1, 16, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    try:
+        with torch.no_grad():
+            got = rope(q, k, cos, sin)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return False
+    want = rotate_qk_reference(q, k, cos, sin)
+    return isinstance(got, tuple) and len(got) == 2 and all(
+        isinstance(g, torch.Tensor) and g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
 
 
 def _one_token(q, k, cos, sin, norms) -> bool:

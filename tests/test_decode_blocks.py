@@ -116,6 +116,32 @@ def test_norms_fold_into_the_projections_they_feed(family):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_only_a_rotation_of_halves_goes_to_the_kernel():
+    """rotate_qk computes transformers' rotation of each head's halves; the modeling modules' functions of the
+    families the project names pass the check, one that rotates interleaved pairs (GPT-J's form) or fails on the
+    probe does not, and is left to run itself."""
+    import transformers.models.gemma3.modeling_gemma3 as gemma3
+    import transformers.models.llama.modeling_llama as llama
+    import transformers.models.qwen3.modeling_qwen3 as qwen3
+
+    from engines.decode_folds import rotates_halves
+
+    assert all(rotates_halves(m.apply_rotary_pos_emb) for m in (llama, qwen3, gemma3))
+
+    def interleaved(q, k, cos, sin, unsqueeze_dim=1):
+        def rotate(x):
+            pairs = x.unflatten(-1, (-1, 2))
+            return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+    def partial(q, k, cos, sin, unsqueeze_dim=1):
+        raise RuntimeError("expects a rotary dim of its own")
+
+    assert not rotates_halves(interleaved) and not rotates_halves(partial)
+
+
 def test_a_norm_of_another_form_is_not_folded():
     """Only a norm that computes the Llama family's RMSNorm bit for bit is folded into a GEMV."""
     from engines.decode_folds import llama_norm
