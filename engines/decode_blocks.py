@@ -13,9 +13,8 @@ the model's own modules and its chunk shapes):
   bandwidth than cuBLAS's one-row GEMMs (H200: Qwen3-1.7B's four 40.4 -> 31.5 us a layer, benchmarks/README.md).
 - Folds (with fused projections; engines/decode_folds.py): the Llama, Mistral and Qwen layers' two RMSNorms
   computed inside the GEMVs they feed, one token's q and k rotated by one kernel with Qwen 3's q/k norms inside
-  it, a gated MLP's activation
-  formed by the gate/up GEMV as it stores, and the MLP's residual add made by the down GEMV: kernels, and the
-  launch gaps before the GEMVs, a layer fewer.
+  it, a gated MLP's activation formed by the gate/up GEMV as it stores, and the MLP's residual add made by the down
+  GEMV: kernels, and the launch gaps before the GEMVs, a layer fewer.
 - Compiled blocks (run key `compile_decode`, off): the MLPs (with fused projections, their activation * up
   alone, for several rows) and norms under torch.compile with static shapes.
   Inductor fuses each RMSNorm (6-8 kernels) and the MLP's activation * up into one (H100, random 8B at 4K:
@@ -235,10 +234,9 @@ class DecodeBlocks:
             self.fused.add("residual")
 
     def _rotation(self, attn: torch.nn.Module, fuse: bool, compile: bool) -> Rotation | None:
-        """The Rotation swapped in for apply_rotary_pos_emb in attn's modeling module (one per module): its kernel
-        for one token with fused projections where the function rotates halves as the kernel does, compiled with
-        `compile`. The attention forward looks the function up
-        in its module's globals at call time."""
+        """The Rotation swapped in for apply_rotary_pos_emb in attn's modeling module (one per module; the attention
+        forward looks the function up in its module's globals at call time): its kernel for one token with fused
+        projections where the function rotates halves as the kernel does, compiled with `compile`."""
         module = sys.modules[type(attn).__module__]
         rope = getattr(module, "apply_rotary_pos_emb", None)
         if not callable(rope) or not (fuse or compile):

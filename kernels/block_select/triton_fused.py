@@ -23,9 +23,8 @@ the device holds at once (from the compiled kernel's registers and shared memory
 number of polls before it gives up and records that in the row's sync words (`barrier_timeouts`; with 4
 programs an SM asked for where 3 fit, every call gave up). The sync words are scratch the caller zeroes once
 (`new_sync`) and keeps: a call leaves the first two barriers' words at zero and the third's at its count, which the
-next call's first barrier zeroes. Triton's interpreter runs programs one after
-another, so there (and wherever `FIRST`/`LAST` split the phases) the phases run as separate launches of the same
-kernel.
+next call's first barrier zeroes. Triton's interpreter runs programs one after another, so there (and wherever
+`FIRST`/`LAST` split the phases) the phases run as separate launches of the same kernel.
 """
 
 from __future__ import annotations
