@@ -117,10 +117,12 @@ def rotates_halves(rope) -> bool:
 
 def _one_token(q, k, cos, sin, norms) -> bool:
     """Whether rotate_qk's kernel takes these: one token's q [B, Hq, 1, D] and k on CUDA, cos / sin [B, 1, D] (the
-    whole head rotated), norm weights in q's dtype."""
+    whole head rotated), norm weights in q's dtype, all on q's device."""
     B, D = q.shape[0], q.shape[-1]
+    tensors = (k, cos, sin, *(w for w, _ in norms))
     return (q.is_cuda and q.dim() == 4 and q.shape[2] == 1 and k.dim() == 4 and k.shape[2:] == (1, D)
-            and cos.shape == sin.shape == (B, 1, D) and all(w.dtype == q.dtype for w, _ in norms))
+            and cos.shape == sin.shape == (B, 1, D) and all(w.dtype == q.dtype for w, _ in norms)
+            and all(t.device == q.device for t in tensors))
 
 
 class Noted(torch.nn.Module):
