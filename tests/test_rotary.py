@@ -154,9 +154,9 @@ def test_rotate_qk_triton_matches_reference(B, Hq, Hkv, D, dtype, norms):
 def test_rotate_qk_launcher_rejects_bad_inputs():
     from kernels.rotary.triton import rotate_qk_triton
 
-    q, k, cos, sin, q_norm, k_norm = (t if not isinstance(t, tuple) else (t[0].to(TRITON_DEVICE), t[1])
-                                      for t in _qk_case(1, 4, 2, 64, torch.bfloat16, True))
+    q, k, cos, sin, q_norm, k_norm = _qk_case(1, 4, 2, 64, torch.bfloat16, True)
     q, k, cos, sin = (t.to(TRITON_DEVICE) for t in (q, k, cos, sin))
+    q_norm, k_norm = ((w.to(TRITON_DEVICE), eps) for w, eps in (q_norm, k_norm))
     with pytest.raises(ValueError, match=r"expected q of shape \[B, Hq, 1, D\]"):
         rotate_qk_triton(q.expand(1, 4, 2, 64), k, cos, sin)
     with pytest.raises(ValueError, match=r"expected k of shape \[1, Hkv, 1, 64\]"):

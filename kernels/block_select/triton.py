@@ -67,9 +67,7 @@ def _launch_fused(fused_args, histogram: torch.Tensor, sync: torch.Tensor, optio
     if _STAMPS is not None and (split or _FUSED_LAST != 4):
         raise RuntimeError("phase stamps need the selection's one launch with every phase, on a GPU")
     while True:
-        parts = _FUSED_PARTS or max(1, sm_count(device) * per_sm // rows)
-        n_sub = triton.cdiv(n_tiles, min(parts, n_tiles))
-        parts = triton.cdiv(n_tiles, n_sub)
+        parts, n_sub = _fused_split(device, rows, n_tiles, per_sm)
         stamps = _stamps(sync, rows, parts)
         args = fused_args(parts, n_sub, stamps if stamps is not None else sync)
         kw = dict(options, P_PAD=max(16, triton.next_power_of_2(parts)), STAGES=_FUSED_STAGES,
@@ -89,11 +87,17 @@ def _launch_fused(fused_args, histogram: torch.Tensor, sync: torch.Tensor, optio
         sync.zero_()  # stopped before the third barrier, whose last arrival zeroes the words before it
 
 
+def _fused_split(device: torch.device, rows: int, n_tiles: int, per_sm: int) -> tuple[int, int]:
+    """(parts a row, tiles a part) of the fused launch at per_sm programs an SM."""
+    parts = _FUSED_PARTS or max(1, sm_count(device) * per_sm // rows)
+    n_sub = triton.cdiv(n_tiles, min(parts, n_tiles))
+    return triton.cdiv(n_tiles, n_sub), n_sub
+
+
 def _fused_parts_fit(device: torch.device, rows: int, n_tiles: int, tile: int) -> bool:
     """Whether the fused launch's parts hold at most _FUSED_PART_MAX blocks, even at one program an SM (the fewest
     it may fall back to)."""
-    parts = _FUSED_PARTS or max(1, sm_count(device) // rows)
-    return triton.cdiv(n_tiles, min(parts, n_tiles)) * tile <= _FUSED_PART_MAX
+    return _fused_split(device, rows, n_tiles, 1)[1] * tile <= _FUSED_PART_MAX
 
 
 def _stamps(sync: torch.Tensor, rows: int, parts: int) -> torch.Tensor | None:
