@@ -37,7 +37,7 @@ import weakref
 import torch
 
 from engines.decode_folds import (NORM_INTO_PROJECTIONS, NORMS_INTO_ROTARY, Noted, Passed, Rotation, activation_name,
-                                  llama_norm, one_row, residual_into_down, rotates_halves)
+                                  llama_norm, one_row, residuals_into_gemvs, rotates_halves)
 from kernels.gemv import gemv, gemv_backend
 
 _COMPILED_SUFFIXES = ("MLP", "RMSNorm")
@@ -102,14 +102,17 @@ class _Part(torch.nn.Module):
 
 
 class Projection(torch.nn.Module):
-    """An nn.Linear's forward through kernels/gemv (one token on CUDA: the project's GEMV; else F.linear)."""
+    """An nn.Linear's forward through kernels/gemv (one token on CUDA: the project's GEMV; else F.linear).
+    `residual`, set for one one-row call (decode_folds.residuals_into_gemvs), is added by that call's GEMV."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
+        self.residual: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemv(x, self.weight, self.bias)
+        residual, self.residual = self.residual, None
+        return gemv(x, self.weight, self.bias, residual=residual if one_row(x) else None)
 
 
 class GatedMLP(torch.nn.Module):
@@ -124,7 +127,7 @@ class GatedMLP(torch.nn.Module):
         self.act_fn, self.down = mlp.act_fn, Projection(mlp.down_proj)
         self.weight, self.bias = weight, bias
         self.norm: tuple[torch.Tensor, float] | None = None  # the RMSNorm folded in (weight, eps), see Passed
-        self.residual: torch.Tensor | None = None  # added by the down GEMV, one row (decode_folds.residual_into_down)
+        self.residual: torch.Tensor | None = None  # added by the down GEMV, one row (decode_folds.residuals_into_gemvs)
         self.act = activation_name(mlp.act_fn, weight)
         self.gate = self._gate
 
@@ -173,7 +176,7 @@ class DecodeBlocks:
         self.fused: set[str] = set()
         self.compiled = compile
         self.functions: list[tuple[object, str, object, object]] = []
-        self.forwards: list[tuple[torch.nn.Module, object]] = []  # layers' one-row forwards (_fold_residual)
+        self.forwards: list[tuple[torch.nn.Module, object]] = []  # layers' one-row forwards (_fold_residuals)
         for layer in getattr(model.get_decoder(), "layers", None) or []:
             for name, child in layer.named_children():
                 replacement = child
@@ -196,7 +199,7 @@ class DecodeBlocks:
                     self.slots.append((layer, name, child, replacement))
             if fuse:
                 self._fold_norms(layer)
-                self._fold_residual(layer)
+                self._fold_residuals(layer)
         if compile:
             self._compile_norms(model.get_decoder())  # the final norm, once per step
         # For the report: what the swapped-in projections run (none swapped: the model's own Linear modules).
@@ -224,14 +227,15 @@ class DecodeBlocks:
             self.slots.append((layer, name, norm, Passed(several)))
             self.fused.add("norms")
 
-    def _fold_residual(self, layer: torch.nn.Module) -> None:
-        """The MLP's residual add made by its down GEMV (NORM_INTO_PROJECTIONS' layers whose forward is the class's:
-        one wrapped by hooks, such as accelerate's device moves, keeps its own)."""
-        mlp = next((r for parent, name, _, r in self.slots if parent is layer and name == "mlp"), None)
+    def _fold_residuals(self, layer: torch.nn.Module) -> None:
+        """The layer's two residual adds made by its o and down GEMVs (NORM_INTO_PROJECTIONS' layers whose forward
+        is the class's: one wrapped by hooks, such as accelerate's device moves, keeps its own)."""
+        swapped = {(parent, name): replacement for parent, name, _, replacement in self.slots}
+        o_proj, mlp = swapped.get((getattr(layer, "self_attn", None), "o_proj")), swapped.get((layer, "mlp"))
         if type(layer).__name__ in NORM_INTO_PROJECTIONS and "forward" not in vars(layer) \
-                and isinstance(mlp, GatedMLP):
-            self.forwards.append((layer, residual_into_down(layer, mlp)))
-            self.fused.add("residual")
+                and isinstance(o_proj, Projection) and isinstance(mlp, GatedMLP):
+            self.forwards.append((layer, residuals_into_gemvs(layer, o_proj, mlp)))
+            self.fused.add("residuals")
 
     def _rotation(self, attn: torch.nn.Module, fuse: bool, compile: bool) -> Rotation | None:
         """The Rotation swapped in for apply_rotary_pos_emb in attn's modeling module (one per module; the attention

@@ -11,11 +11,10 @@
   through, and the rotation applies both first.
 - A gated MLP's activation into the gate/up GEMV (`activation_name`: the kernels/gemv name of the module's own
   activation, found bit for bit).
-- The MLP's residual add into the down projection's GEMV (`residual_into_down`): the add is in the decoder layer's
-  forward, not in a module, so a listed layer (`NORM_INTO_PROJECTIONS`, whose forward is transformers' Llama
-  layer's) gets that forward for one row with the add moved into the GEMV's epilogue, bit for bit the same sum.
-  The attention's add stays a kernel: made by the o projection's GEMV it cost resa's step more than it saved
-  (benchmarks/README.md).
+- The two residual adds into the GEMVs before them, the o and down projections' (`residuals_into_gemvs`): the
+  adds are in the decoder layer's forward, not in a module, so a listed layer (`NORM_INTO_PROJECTIONS`, whose
+  forward is transformers' Llama layer's) gets that forward for one row with the adds moved into the GEMVs'
+  epilogues, bit for bit the same sums.
 """
 
 from __future__ import annotations
@@ -137,10 +136,10 @@ class Noted(torch.nn.Module):
         return x
 
 
-def residual_into_down(layer: torch.nn.Module, mlp: torch.nn.Module):
-    """`layer`'s forward (transformers' Llama decoder layer's, arguments included) with, for one row, the MLP's
-    residual add made by the down projection's GEMV: `mlp.residual` is set for that one call. Several rows run the
-    layer's own forward."""
+def residuals_into_gemvs(layer: torch.nn.Module, o_proj: torch.nn.Module, mlp: torch.nn.Module):
+    """`layer`'s forward (transformers' Llama decoder layer's, arguments included) with, for one row, its two
+    residual adds made by the GEMVs before them: the o projection's and the down projection's (`o_proj.residual`
+    and `mlp.residual`, each set for its one call). Several rows run the layer's own forward."""
     own = type(layer).forward
 
     def forward(hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
@@ -148,11 +147,14 @@ def residual_into_down(layer: torch.nn.Module, mlp: torch.nn.Module):
         if not one_row(hidden_states):
             return own(layer, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
                        position_embeddings, **kwargs)
-        attended, _ = layer.self_attn(
-            hidden_states=layer.input_layernorm(hidden_states), attention_mask=attention_mask,
-            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-            position_embeddings=position_embeddings, **kwargs)
-        hidden_states = hidden_states + attended
+        o_proj.residual = hidden_states
+        try:
+            hidden_states, _ = layer.self_attn(
+                hidden_states=layer.input_layernorm(hidden_states), attention_mask=attention_mask,
+                position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                position_embeddings=position_embeddings, **kwargs)
+        finally:
+            o_proj.residual = None  # taken by its call; a path that never called o_proj leaves none behind
         mlp.residual = hidden_states
         try:
             return mlp(layer.post_attention_layernorm(hidden_states))

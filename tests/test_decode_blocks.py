@@ -96,14 +96,14 @@ def test_norms_fold_into_the_projections_they_feed(family):
     with torch.inference_mode():
         want = [model(ids).logits for ids in (one, several)]
     blocks = DecodeBlocks(model, fuse=True, compile=False)
-    assert blocks.fused == {"qkv", "gate_up", "norms", "activation", "residual", "rotation"} | \
+    assert blocks.fused == {"qkv", "gate_up", "norms", "activation", "residuals", "rotation"} | \
         ({"qk_norms"} if family == "qwen3" else set())
     with torch.inference_mode(), blocks.swapped():
         layers = model.model.layers
         assert all(isinstance(layer.input_layernorm, Passed) and isinstance(layer.post_attention_layernorm, Passed)
                    for layer in layers)
         assert all(layer.mlp.norm[0] is layer.post_attention_layernorm.norm.weight for layer in layers)
-        assert all("forward" in vars(layer) for layer in layers)  # the MLP's residual add goes to the down GEMV
+        assert all("forward" in vars(layer) for layer in layers)  # the residual adds go to the o and down GEMVs
         if family == "qwen3":  # the per-head q and k norms go to the rotation after them
             from engines.decode_folds import Noted
 
@@ -213,7 +213,7 @@ def test_fused_and_compiled_decode_error_within_twice_the_eager_steps_error_on_g
         counters = engine.counters(state)
         assert counters["decode_compiled_blocks"] is compiled
         # Qwen 3's norms fold into the GEMVs and the rotation; Gemma 3's (another form) keep their modules.
-        folded = "activation+gate_up+norms+qk_norms+qkv+residual+rotation" if preset == "qwen3-1.7b" \
+        folded = "activation+gate_up+norms+qk_norms+qkv+residuals+rotation" if preset == "qwen3-1.7b" \
             else "activation+gate_up+qkv+rotation"
         assert counters["decode_fused_projections"] == (folded if fuse else "none")
         assert counters["decode_projections"] == ("triton gemv" if fuse else "torch linear")

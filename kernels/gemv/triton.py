@@ -28,15 +28,17 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels._gdc import use_pdl
 from kernels._triton_common import check_device, launch_context
 
-BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 8, 512, 8, 3
+BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 8, 2048, 4, 3  # BLOCK_K at most: a row shorter than it is one tile
 ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}  # `act` names, as the kernel's ACT codes
-# (rows a program, K a step, warps) by weight shape [N, K] where an H200 sweep (8, 16, 32 rows x 256, 512 of K, 4
-# or 8 warps; benchmarks/results/2026-11-28_h200_decode_gemv.json) found another at least 3% faster than the
-# default: the program count's waves over the SMs make the best tile jump between neighbouring shapes, so measured
-# shapes are listed rather than a rule guessed. Qwen3-1.7B's gate/up: 14.65 -> 12.63 µs; Llama-3.1-8B's q/k/v
-# 16.02 -> 12.73, gate/up 57.07 -> 53.93, down 31.66 -> 30.35.
-TUNED = {(12288, 2048): (32, 256, 8), (6144, 4096): (16, 512, 8), (28672, 4096): (16, 256, 4),
-         (4096, 14336): (32, 512, 8)}
+# (rows a program, K a step, warps) by weight shape [N, K] where an H200 sweep (4-32 rows x 512-8192 of K, 4 or 8
+# warps, each projection alone and the four chained as a layer; benchmarks/results/2026-11-29_h200_gemv_tiles.json)
+# found another at least 3% faster than the default. A program's whole K step is one load, all of it in flight at
+# once: long steps keep enough bytes in flight where a projection has few programs (Qwen3-1.7B's o and down: 4.19
+# -> 2.99 and 9.37 -> 6.82 µs against 8 rows x 512 at 8 warps), short ones where it has many (the gate/up GEMVs).
+# The program count's waves over the SMs make the best tile jump between neighbouring shapes, so measured shapes
+# are listed rather than a rule guessed.
+TUNED = {(4096, 2048): (16, 1024, 8), (12288, 2048): (32, 256, 8), (6144, 4096): (16, 512, 8),
+         (4096, 4096): (16, 1024, 8), (28672, 4096): (16, 256, 4), (4096, 14336): (16, 1024, 8)}
 
 
 @triton.jit
@@ -136,7 +138,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if t is not None:
             check_device(name, t, weight.device)
     y = torch.empty(*x.shape[:-1], out, device=x.device, dtype=x.dtype)
-    rows, step, warps = TUNED.get((N, K), (BLOCK_N, BLOCK_K, NUM_WARPS))
+    rows, step, warps = TUNED.get((N, K), (BLOCK_N, min(BLOCK_K, triton.next_power_of_2(K)), NUM_WARPS))
     pdl = use_pdl(weight.device)
     with launch_context(weight.device):
         _gemv_fwd_kernel[(triton.cdiv(N, rows),)](
