@@ -914,15 +914,19 @@ def test_few_query_decode_triton_matches_reference(D, group, T, window):
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("splits", [7, 300], ids=["S7", "S300-online"])
 @pytest.mark.triton
-def test_combine_triton_matches_reference():
+def test_combine_triton_matches_reference(splits):
+    """Splits within one tile of the kernel, and more (merged online, tile by tile)."""
     from kernels.lse_combine.triton import combine_splits_triton
 
-    out_part = torch.randn(50, 7, 128, device=DEVICE)
-    lse_part = torch.randn(50, 7, device=DEVICE)
+    torch.manual_seed(42)
+    out_part = torch.randn(50, splits, 128, device=DEVICE)
+    lse_part = 3 * torch.randn(50, splits, device=DEVICE)
     lse_part[:, 3] = float("-inf")  # empty splits weigh nothing, even if their rows hold NaN
     out_part[:, 3] = float("nan")
     lse_part[7] = float("-inf")  # a row with no key at all: out 0, lse -inf
+    lse_part[9, :128] = float("-inf")  # S300: a first tile with nothing in it, then keys
     dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
     got, got_lse = combine_splits_triton(out_part, lse_part, dtype)
     ref, ref_lse = combine_splits_reference(out_part.cpu(), lse_part.cpu(), dtype)
