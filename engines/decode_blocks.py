@@ -10,11 +10,11 @@ the model's own modules and its chunk shapes):
   modules keep views of their rows: no memory is added, prefill computes what it computed before) and the step
   runs one GEMV per group. The step's projections (the fused groups, the attention's output and the MLP's down
   projection) run through kernels/gemv: on CUDA a Triton GEMV that streams the weight rows at more of the memory
-  bandwidth than cuBLAS's one-row GEMMs (H200: Qwen3-1.7B's four 40.4 -> 31.5 us a layer, benchmarks/README.md).
+  bandwidth than cuBLAS's one-row GEMMs (H200: Qwen3-1.7B's four 40.4 -> 27.1 us a layer, benchmarks/README.md).
 - Folds (with fused projections; engines/decode_folds.py): the Llama, Mistral and Qwen layers' two RMSNorms
   computed inside the GEMVs they feed, one token's q and k rotated by one kernel with Qwen 3's q/k norms inside
-  it, a gated MLP's activation formed by the gate/up GEMV as it stores, and the MLP's residual add made by the down
-  GEMV: kernels, and the launch gaps before the GEMVs, a layer fewer.
+  it, a gated MLP's activation formed by the gate/up GEMV as it stores, and the layer's two residual adds made by
+  the o and down GEMVs: kernels, and the launch gaps before the GEMVs, a layer fewer.
 - Compiled blocks (run key `compile_decode`, off): the MLPs (with fused projections, their activation * up
   alone, for several rows) and norms under torch.compile with static shapes.
   Inductor fuses each RMSNorm (6-8 kernels) and the MLP's activation * up into one (H100, random 8B at 4K:

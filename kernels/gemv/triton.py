@@ -4,9 +4,10 @@ One program per BLOCK_N rows of W walks K in BLOCK_K steps (fp32 products, summe
 token cuBLAS picks GEMM tiles that leave the small projections well short of the memory bandwidth; this
 kernel reads W in long contiguous rows. The weights never depend on the kernel before it in the step, so with
 programmatic dependent launch a program loads its first W tile before it waits for that kernel, and only x
-waits. On an H200 (CUDA graphs of 8 GEMVs on distinct weights; benchmarks/bench_kernels.py --only gemv):
-Qwen3-1.7B's four projections take 31.5 us a layer against 40.4 with F.linear, Llama-3.1-8B's 111.9 against 123.6
-(benchmarks/results/2026-11-28_h200_decode_gemv.json).
+waits. On an H200 (CUDA graphs of 8 GEMVs on distinct weights): Qwen3-1.7B's four projections take 27.1 us a
+layer (40.4 with F.linear), Llama-3.1-8B's 104.0 (123.6); chained as a layer's four, each reading the one before's
+output, they stream 3.72 and 4.22 TB/s against a 4.27 TB/s copy (benchmarks/results/
+2026-11-29_h200_gemv_tiles_and_residual_in_o_gemv.json; F.linear: 2026-11-28_h200_decode_gemv.json).
 
 With `norm` the RMSNorm before a projection (the Llama family's, as a decoder layer runs it before q/k/v and
 before gate/up) is folded in: each program reads the whole row once for its RMS (a few KB, from L2), so the norm
@@ -14,8 +15,8 @@ needs no kernel of its own, nor the gap before the GEMV that a kernel without pr
 With `act` the weight is a gated MLP's gate and up projections stacked ([2I, K]) and the kernel returns act(gate) *
 up ([I]): a program's rows are half gate rows and the matching up rows, and it forms the product as it stores, so
 the activation needs no kernel either, and the down projection's input is ready when the GEMV ends. With
-`residual` the kernel adds the decoder layer's residual stream to what it stores (the MLP's down projection in a
-decode step: engines/decode_folds.residual_into_down).
+`residual` the kernel adds the decoder layer's residual stream to what it stores (a decode step's o and down
+projections: engines/decode_folds.residuals_into_gemvs).
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from kernels._triton_common import check_device, launch_context
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 8, 2048, 4, 3  # BLOCK_K at most: a row shorter than it is one tile
 ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}  # `act` names, as the kernel's ACT codes
 # (rows a program, K a step, warps) by weight shape [N, K] where an H200 sweep (4-32 rows x 512-8192 of K, 4 or 8
-# warps, each projection alone and the four chained as a layer; benchmarks/results/2026-11-29_h200_gemv_tiles.json)
-# found another at least 3% faster than the default. A program's whole K step is one load, all of it in flight at
-# once: long steps keep enough bytes in flight where a projection has few programs (Qwen3-1.7B's o and down: 4.19
-# -> 2.99 and 9.37 -> 6.82 µs against 8 rows x 512 at 8 warps), short ones where it has many (the gate/up GEMVs).
-# The program count's waves over the SMs make the best tile jump between neighbouring shapes, so measured shapes
-# are listed rather than a rule guessed.
+# warps, each projection alone and the four chained as a layer; benchmarks/results/2026-11-29_h200_gemv_tiles_and_
+# residual_in_o_gemv.json) found another at least 3% faster than the default. A program's K step is one load, all
+# of it in flight at once: long steps keep enough bytes in flight where a projection has few programs (Qwen3-1.7B's
+# o and down: 4.19 -> 2.99 and 9.37 -> 6.82 µs against 8 rows x 512 at 8 warps), short ones where it has many (the
+# gate/up GEMVs). The program count's waves over the SMs make the best tile jump between neighbouring shapes, so
+# measured shapes are listed rather than a rule guessed.
 TUNED = {(4096, 2048): (16, 1024, 8), (12288, 2048): (32, 256, 8), (6144, 4096): (16, 512, 8),
          (4096, 4096): (16, 1024, 8), (28672, 4096): (16, 256, 4), (4096, 14336): (16, 1024, 8)}
 
