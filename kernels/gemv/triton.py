@@ -32,12 +32,12 @@ from kernels._triton_common import check_device, launch_context
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 8, 2048, 4, 3  # BLOCK_K at most: a row shorter than it is one tile
 ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}  # `act` names, as the kernel's ACT codes
 # (rows a program, K a step, warps) by weight shape [N, K] where an H200 sweep (4-32 rows x 512-8192 of K, 4 or 8
-# warps, each projection alone and the four chained as a layer: benchmarks/gemv_tiles.py; results/2026-11-29_h200_
-# gemv_tiles_and_residual_in_o_gemv.json) found another at least 3% faster than the default. A program's K step is one load, all
-# of it in flight at once: long steps keep enough bytes in flight where a projection has few programs (Qwen3-1.7B's
-# o and down: 4.19 -> 2.99 and 9.37 -> 6.82 µs against 8 rows x 512 at 8 warps), short ones where it has many (the
-# gate/up GEMVs). The program count's waves over the SMs make the best tile jump between neighbouring shapes, so
-# measured shapes are listed rather than a rule guessed.
+# warps, each projection alone and the four chained as a layer: benchmarks/gemv_tiles.py; results/2026-11-29_
+# h200_gemv_tiles_and_residual_in_o_gemv.json) found another at least 3% faster than the default. A program's K
+# step is one load, all of it in flight at once: long steps keep enough bytes in flight where a projection has few
+# programs (Qwen3-1.7B's o and down: 4.19 -> 2.99 and 9.37 -> 6.82 µs against 8 rows x 512 at 8 warps), short ones
+# where it has many (the gate/up GEMVs). The program count's waves over the SMs make the best tile jump between
+# neighbouring shapes, so measured shapes are listed rather than a rule guessed.
 TUNED = {(4096, 2048): (16, 1024, 8), (12288, 2048): (32, 256, 8), (6144, 4096): (16, 512, 8),
          (4096, 4096): (16, 1024, 8), (28672, 4096): (16, 256, 4), (4096, 14336): (16, 1024, 8)}
 
