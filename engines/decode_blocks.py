@@ -112,7 +112,7 @@ class Projection(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         residual, self.residual = self.residual, None
-        return gemv(x, self.weight, self.bias, residual=residual if one_row(x) else None)
+        return gemv(x, self.weight, self.bias, residual=residual)
 
 
 class GatedMLP(torch.nn.Module):
@@ -127,7 +127,6 @@ class GatedMLP(torch.nn.Module):
         self.act_fn, self.down = mlp.act_fn, Projection(mlp.down_proj)
         self.weight, self.bias = weight, bias
         self.norm: tuple[torch.Tensor, float] | None = None  # the RMSNorm folded in (weight, eps), see Passed
-        self.residual: torch.Tensor | None = None  # added by the down GEMV, one row (decode_folds.residuals_into_gemvs)
         self.act = activation_name(mlp.act_fn, weight)
         self.gate = self._gate
 
@@ -144,8 +143,6 @@ class GatedMLP(torch.nn.Module):
             hidden = gemv(x, self.weight, self.bias, self.norm, self.act)
         else:
             hidden = self.gate(gemv(x, self.weight, self.bias, self.norm if one else None))
-        if one and self.residual is not None:
-            return gemv(hidden, self.down.weight, self.down.bias, residual=self.residual)
         return self.down(hidden)
 
 
@@ -234,7 +231,7 @@ class DecodeBlocks:
         o_proj, mlp = swapped.get((getattr(layer, "self_attn", None), "o_proj")), swapped.get((layer, "mlp"))
         if type(layer).__name__ in NORM_INTO_PROJECTIONS and "forward" not in vars(layer) \
                 and isinstance(o_proj, Projection) and isinstance(mlp, GatedMLP):
-            self.forwards.append((layer, residuals_into_gemvs(layer, o_proj, mlp)))
+            self.forwards.append((layer, residuals_into_gemvs(layer, o_proj, mlp.down)))
             self.fused.add("residuals")
 
     def _rotation(self, attn: torch.nn.Module, fuse: bool, compile: bool) -> Rotation | None:

@@ -136,10 +136,10 @@ class Noted(torch.nn.Module):
         return x
 
 
-def residuals_into_gemvs(layer: torch.nn.Module, o_proj: torch.nn.Module, mlp: torch.nn.Module):
+def residuals_into_gemvs(layer: torch.nn.Module, o_proj: torch.nn.Module, down_proj: torch.nn.Module):
     """`layer`'s forward (transformers' Llama decoder layer's, arguments included) with, for one row, its two
-    residual adds made by the GEMVs before them: the o projection's and the down projection's (`o_proj.residual`
-    and `mlp.residual`, each set for its one call). Several rows run the layer's own forward."""
+    residual adds made by the GEMVs before them, the o and down projections' (their `residual`, set for the one call
+    that takes it). Several rows run the layer's own forward."""
     own = type(layer).forward
 
     def forward(hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
@@ -155,10 +155,10 @@ def residuals_into_gemvs(layer: torch.nn.Module, o_proj: torch.nn.Module, mlp: t
                 position_embeddings=position_embeddings, **kwargs)
         finally:
             o_proj.residual = None  # taken by its call; a path that never called o_proj leaves none behind
-        mlp.residual = hidden_states
+        down_proj.residual = hidden_states
         try:
-            return mlp(layer.post_attention_layernorm(hidden_states))
+            return layer.mlp(layer.post_attention_layernorm(hidden_states))
         finally:
-            mlp.residual = None
+            down_proj.residual = None
 
     return forward
