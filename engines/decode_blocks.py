@@ -26,7 +26,7 @@ the model's own modules and its chunk shapes):
   (several rows, or no fused projections): eagerly it is ~10 kernels per layer (~0.6 ms of an 8B step). The
   attention forward looks that function up in its module's globals, so it is swapped there, as Liger Kernel
   patches it; the model's classes are untouched. The decoder's rotary embedding module (the step's cos and sin:
-  eight kernels eagerly) is compiled as well, and so is a greedy step's tail (engines/decoding.greedy_advance).
+  eight kernels eagerly) is compiled as well.
 """
 
 from __future__ import annotations

@@ -41,20 +41,6 @@ class Sampler:
         return (logits + noise).argmax(dim=-1)
 
 
-def greedy_advance(logits: torch.Tensor, logits_out: torch.Tensor, token: torch.Tensor, position: torch.Tensor,
-                   length: torch.Tensor) -> None:
-    """A greedy step's last operations: its logits [1, V] kept in fp32 (logits_out), the argmax as the next token
-    [1, 1], position and length advanced. Compiled with the decode blocks: a few fused kernels instead of five (the
-    copy, ATen's one-block argmax over the vocabulary, the token's copy and two adds), each with its launch gap."""
-    logits_out.copy_(logits)
-    token.copy_(logits.argmax(dim=-1).view(1, 1))
-    position.add_(1)
-    length.add_(1)
-
-
-_greedy_advance_compiled = torch.compile(greedy_advance, dynamic=False)
-
-
 def swapped(blocks: DecodeBlocks | None):
     """`blocks` in place (fused projections, compiled blocks), or nothing to swap."""
     return blocks.swapped() if blocks is not None else contextlib.nullcontext()
@@ -102,16 +88,12 @@ class DecodeStep:
         self.outbox = [(torch.zeros(1, dtype=torch.long, pin_memory=True), torch.cuda.Event())
                        for _ in range(2)] if device.type == "cuda" else []
         self.launched = 0
-        self.advance = _greedy_advance_compiled if blocks is not None and blocks.compiled else greedy_advance
 
     def _step(self) -> None:
         self.cache.begin_decode(self.position, self.length)
         logits = self.forward(self.token, self.position.view(1, 1))[:, -1]
         if self.logits is None:
             self.logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        if self.sampler.temperature <= 0:
-            self.advance(logits, self.logits, self.token, self.position, self.length)
-            return
         self.logits.copy_(logits)
         self.token.copy_(self.sampler(logits).view(1, 1))
         self.position.add_(1)

@@ -230,21 +230,3 @@ def test_fused_and_compiled_decode_error_within_twice_the_eager_steps_error_on_g
     for key in ((True, False), (True, True)):
         assert errors[key] <= 2 * errors[False, False] + 1e-3, f"fuse, compile {key}: {errors}"
 
-
-def test_compiled_greedy_advance_equals_eager():
-    """A greedy step's tail compiled (compile_decode) does what the eager one does: fp32 logits kept, the first of
-    tied maxima as the token, position and length advanced."""
-    from engines.decoding import _greedy_advance_compiled, greedy_advance
-
-    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    logits[0, 7] = logits[0, 900] = 50.0
-    results = []
-    for advance in (greedy_advance, _greedy_advance_compiled):
-        kept, token = torch.full((1, 1000), float("nan")), torch.zeros(1, 1, dtype=torch.long)
-        position, length = torch.tensor([5]), torch.tensor([6])
-        advance(logits, kept, token, position, length)
-        results.append((kept, token, position, length))
-    for eager, compiled in zip(*results):
-        assert torch.equal(eager, compiled)
-    kept, token, position, length = results[1]
-    assert torch.equal(kept, logits.float()) and token.item() == 7 and (position.item(), length.item()) == (6, 7)

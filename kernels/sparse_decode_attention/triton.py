@@ -54,12 +54,11 @@ def _sparse_decode_fwd_kernel(
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     list_row = Blocks + pid_bh.to(tl.int64) * width
-    # The newest key's lanes are read from KNew / VNew (NEW_KV); the cache is read below it.
-    cached_end = length
-    if NEW_KV:
-        cached_end = length - 1
-        k_new = tl.load(KNew + b * stride_nkb + h * stride_nkh + offs_d)
-        v_new = tl.load(VNew + b * stride_nvb + h * stride_nvh + offs_d)
+    # NEW_KV: the newest key's row is read from KNew / VNew (its row pointers swapped, one select a row: the tiles
+    # themselves take no extra registers, which would cost the kernel programs an SM).
+    newest = length - 1
+    k_new = KNew + b * stride_nkb + h * stride_nkh
+    v_new = VNew + b * stride_nvb + h * stride_nvh
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -72,13 +71,13 @@ def _sparse_decode_fwd_kernel(
         blk = blk_next.to(tl.int64)
         tok = blk * BLOCK + (offs_n % BLOCK)
         valid = (blk >= 0) & (tok < length)
-        cached = valid & (tok < cached_end)
-        k = tl.load(k_base + tok[:, None] * stride_ks + offs_d[None, :], mask=cached[:, None], other=0.0)
-        v = tl.load(v_base + tok[:, None] * stride_vs + offs_d[None, :], mask=cached[:, None], other=0.0)
+        k_rows = k_base + tok * stride_ks
+        v_rows = v_base + tok * stride_vs
         if NEW_KV:
-            newest = (valid & (tok == cached_end))[:, None]
-            k = tl.where(newest, k_new[None, :], k)
-            v = tl.where(newest, v_new[None, :], v)
+            k_rows = tl.where(tok == newest, k_new, k_rows)
+            v_rows = tl.where(tok == newest, v_new, v_rows)
+        k = tl.load(k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         slot = (n0 + BLOCK_N + offs_n) // BLOCK
         blk_next = tl.load(list_row + slot, mask=slot < slot_hi, other=-1)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G_PAD, BLOCK_N], log2 units
