@@ -25,8 +25,7 @@ the model's own modules and its chunk shapes):
   `apply_rotary_pos_emb` in the model's modeling module, is compiled too where its kernel does not take it
   (several rows, or no fused projections): eagerly it is ~10 kernels per layer (~0.6 ms of an 8B step). The
   attention forward looks that function up in its module's globals, so it is swapped there, as Liger Kernel
-  patches it; the model's classes are untouched. The decoder's rotary embedding module (the step's cos and sin:
-  eight kernels eagerly) is compiled as well.
+  patches it; the model's classes are untouched.
 """
 
 from __future__ import annotations
@@ -200,7 +199,6 @@ class DecodeBlocks:
                 self._fold_residuals(layer)
         if compile:
             self._compile_norms(model.get_decoder())  # the final norm, once per step
-            self._compile_rotary(model.get_decoder())
         # For the report: what the swapped-in projections run (none swapped: the model's own Linear modules).
         device = next(model.parameters()).device
         self.projections = gemv_backend(device) if self.fused else "torch linear"
@@ -267,14 +265,6 @@ class DecodeBlocks:
         for name, child in parent.named_children():
             if type(child).__name__.endswith("RMSNorm") and (parent, name) not in taken:
                 self.slots.append((parent, name, child, torch.compile(child, dynamic=False)))
-
-    def _compile_rotary(self, decoder: torch.nn.Module) -> None:
-        """The decoder's rotary embedding modules (cos and sin of the step's position, once per step) compiled:
-        eagerly an sgemm of the frequencies by the position, cos, sin, a concatenation, two scalings and two casts,
-        each its own kernel and launch gap; one fused kernel compiled."""
-        for name, child in decoder.named_children():
-            if type(child).__name__.endswith("RotaryEmbedding"):
-                self.slots.append((decoder, name, child, torch.compile(child, dynamic=False)))
 
     def _fuse_attention(self, attn: torch.nn.Module) -> None:
         names = ("q_proj", "k_proj", "v_proj")

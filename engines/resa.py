@@ -48,9 +48,6 @@ class ResaKVLayer(StaticKVLayer):
 
     kscale: torch.Tensor | None = None
     appending: torch.cuda.Stream | None = None  # the stream a decode step's K/V write runs on, until joined
-    # The step's new key and value [B, Hkv, D] while their write may run: the sparse kernel reads them from here,
-    # and holding them keeps their memory from the allocator until the join.
-    written: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -75,9 +72,8 @@ class ResaKVLayer(StaticKVLayer):
         if not (owner.decoding and self.is_initialized and not self.is_sliding and key_states.shape[2] == 1) \
                 or owner.every_block_kept:
             return super().update(key_states, value_states, *args, **kwargs)
-        # On CUDA the write runs beside the selection and the sparse attention: the selection reads neither the new
-        # K/V nor the descriptors of the local block it lands in, and the sparse kernel reads the new K/V from
-        # `written`. The step joins it once a device, after its last full-attention layer (ResaKVCache.join_writes).
+        # On CUDA the write runs beside the selection, which reads neither the new K/V nor the descriptors of the
+        # local block it lands in: the attention joins it before the sparse kernel reads the kept blocks.
         side = side_stream(self.device, "kv-write") if self.device.type == "cuda" else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -86,14 +82,13 @@ class ResaKVLayer(StaticKVLayer):
                       descriptors=(self.kmax, self.kmin, None), length=owner.length_on(self.device),
                       block_size=owner.block_size, fold_mean=owner.rule.centroid, descriptor_scale=self.kscale)
         self.appending = side
-        self.written = (key_states[:, :, 0], value_states[:, :, 0])
         return self.keys, self.values
 
     def join_append(self) -> None:
         """Order what follows on the current stream after this step's K/V write (see update)."""
         if self.appending is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.appending)
-        self.appending = self.written = None
+            self.appending = None
 
     def nbytes(self) -> int:
         extra = 0
@@ -122,31 +117,12 @@ class ResaKVCache(StaticKVCache):
         self.every_block_kept = self.keeps_every_block(self.rule, cdiv(capacity, resa.block_size))
         self.timed = False  # CPU: time estimation and sparse attention (synchronous there)
         self.times = {"estimation_s": 0.0, "sparse_attention_s": 0.0}
-        self._last_full: dict[torch.device, int] = {}  # a device's last full-attention layer (join_writes)
         super().__init__(config, capacity)
 
     def begin_chunk(self, offset: int, n: int) -> None:
         super().begin_chunk(offset, n)
         # The descriptor update reads the valid length from a tensor, in chunks as in decode steps.
         self._length = {torch.device("cpu"): torch.tensor([offset + n])}
-
-    def join_writes(self, layer_idx: int) -> None:
-        """After a decode step's sparse attention at layer_idx: if that is the last full-attention layer on its
-        device, order what follows there after the step's K/V writes on that device (ResaKVLayer.update). One join a
-        device and step: the kernel after a join waits for the whole of the one before it, where the others start
-        under programmatic launch while it ends."""
-        layer = self.layers[layer_idx]
-        if layer.device not in self._last_full:
-            self._last_full[layer.device] = max(i for i, other in enumerate(self.layers)
-                                                if not other.is_sliding and other.device == layer.device)
-        if layer_idx != self._last_full[layer.device]:
-            return
-        # Every write of the step on that device went to one side stream, in order: joining the last joins them all.
-        pending = [other for other in self.layers if other.device == layer.device and other.written is not None]
-        for other in pending[:-1]:
-            other.appending = other.written = None
-        if pending:
-            pending[-1].join_append()
 
 
 @dataclass
@@ -234,9 +210,9 @@ class ResaEngine(Engine):
                                rule=longctx.rule, width=longctx.width, scale=scaling, folded=longctx.rule.centroid,
                                histogram=layer.score_bins, descriptor_scale=layer.kscale, sync=layer.select_sync)
         start = _clock(longctx, "estimation_s", start)
+        layer.join_append()
         out = sparse_decode_attention(query[:, :, 0], key, value, blocks, length, block_size=longctx.block_size,
-                                      scale=scaling, new_kv=layer.written)
-        longctx.join_writes(module.layer_idx)
+                                      scale=scaling)
         _clock(longctx, "sparse_attention_s", start)
         return out.unsqueeze(1), None
 

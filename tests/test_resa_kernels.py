@@ -895,37 +895,6 @@ def test_sparse_triton_matches_reference(D, group, L, dtype):
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=pytest.mark.triton)])
-@pytest.mark.parametrize("D, group, L", [
-    pytest.param(64, 1, 17, id="D64-G1-L17"),
-    pytest.param(128, 2, 4097, id="D128-G2-L4097"),
-    pytest.param(256, 4, 1000, id="D256-G4-L1000"),
-])
-def test_sparse_reads_the_newest_key_from_new_kv(D, group, L, impl):
-    """With new_kv the key and value at length - 1 come from new_kv, and the cache's row there (here NaN: not yet
-    written) is never read: bit for bit the result over a cache that holds them."""
-    if impl == "triton":
-        from kernels.sparse_decode_attention.triton import sparse_decode_attention_triton as attend
-        device, dtype = DEVICE, torch.float16 if DEVICE == "cpu" else torch.bfloat16
-    else:
-        attend, device, dtype = sparse_ref, "cpu", torch.float32
-    q, keys, values, kmax, kmin, length = (t.to(device) for t in _problem(2, group, L, D, dtype))
-    blocks = select_ref(q.cpu(), kmax.cpu(), kmin.cpu(), length.cpu(), block_size=BS, rule=KeepRule(0.1, 16, 1),
-                        width=KeepRule(0.1, 16, 1).keep(kmax.shape[2]) + 3).to(device)
-    newest = (length - 1).tolist()
-    new_kv = tuple(torch.stack([c[b, :, n] for b, n in enumerate(newest)]).clone() for c in (keys, values))
-    want = attend(q, keys, values, blocks, length, block_size=BS, scale=D**-0.5, return_lse=True)
-    unwritten = [c.clone() for c in (keys, values)]
-    for c in unwritten:
-        for b, n in enumerate(newest):
-            c[b, :, n] = float("nan")
-    got = attend(q, *unwritten, blocks, length, block_size=BS, scale=D**-0.5, return_lse=True, new_kv=new_kv)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
-    if impl == "triton":
-        with pytest.raises(ValueError, match="new_kv of two"):
-            attend(q, keys, values, blocks, length, block_size=BS, scale=D**-0.5, new_kv=(new_kv[0][:, :1], new_kv[1]))
-
-
 @pytest.mark.parametrize("window", [None, 512], ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("T", [2, 32], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"G{g}")

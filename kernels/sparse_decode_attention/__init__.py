@@ -26,20 +26,15 @@ def _triton_impl():
 
 
 def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-                            length: torch.Tensor, *, block_size: int, scale: float, return_lse: bool = False,
-                            new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
-                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """q: [B, Hq, D]; k_cache, v_cache: [B, Hkv, S, D]; blocks: [B, Hkv, W] int32 (-1 = none); length: [B];
-    new_kv: (k, v) [B, Hkv, D] each, or None.
+                            length: torch.Tensor, *, block_size: int, scale: float,
+                            return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """q: [B, Hq, D]; k_cache, v_cache: [B, Hkv, S, D]; blocks: [B, Hkv, W] int32 (-1 = none); length: [B].
 
-    Attention over the keys of the listed blocks that lie before `length`. With new_kv the key and value at
-    position length - 1 are new_kv's and the cache's row there is not read (a decode step whose K/V write may still
-    be running). Returns out [B, Hq, D] in q's dtype (and lse [B, Hq] fp32 with return_lse; -inf and out 0 if no
-    key is selected).
+    Attention over the keys of the listed blocks that lie before `length`. Returns out [B, Hq, D] in q's
+    dtype (and lse [B, Hq] fp32 with return_lse; -inf and out 0 if no key is selected).
     """
     impl = (_triton_impl() if q.is_cuda else None) or sparse_decode_attention_reference
-    return impl(q, k_cache, v_cache, blocks, length, block_size=block_size, scale=scale, return_lse=return_lse,
-                new_kv=new_kv)
+    return impl(q, k_cache, v_cache, blocks, length, block_size=block_size, scale=scale, return_lse=return_lse)
 
 
 def sparse_decode_backend(device: torch.device) -> str:

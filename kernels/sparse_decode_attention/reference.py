@@ -6,9 +6,8 @@ import torch
 
 
 def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-                            length: torch.Tensor, *, block_size: int, scale: float, return_lse: bool = False,
-                            new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
-                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                            length: torch.Tensor, *, block_size: int, scale: float,
+                            return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """See kernels.sparse_decode_attention. Blocks are read in list order (ascending from block_select)."""
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
@@ -20,12 +19,7 @@ def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     valid = valid.view(B, Hkv, 1, W * block_size)
     gather = tok[..., None].expand(-1, -1, -1, D)
     k = torch.gather(k_cache, 2, gather).float()  # [B, Hkv, W * bs, D]
-    v = torch.gather(v_cache, 2, gather).float()
-    if new_kv is not None:
-        newest = (valid.transpose(-1, -2) & (tok == length[:, None, None] - 1)[..., None])  # [B, Hkv, W * bs, 1]
-        k = torch.where(newest, new_kv[0].float()[:, :, None], k)
-        v = torch.where(newest, new_kv[1].float()[:, :, None], v)
-    v = v.masked_fill(~valid.transpose(-1, -2), 0.0)
+    v = torch.gather(v_cache, 2, gather).float().masked_fill(~valid.transpose(-1, -2), 0.0)
     qg = q.float().view(B, Hkv, Hq // Hkv, D)
     s = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, G, W * bs]
     s = s.masked_fill(~valid, float("-inf"))

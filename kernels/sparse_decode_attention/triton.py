@@ -4,10 +4,6 @@ One program per (batch, kv head, split) loads all query heads of its GQA group (
 and processes BLOCK_N keys per step: BLOCK_N / block_size listed blocks, their keys gathered row by row.
 Slots holding -1 and keys past `length` (a partly filled last block) are masked out of the loads. The list
 width is static, so launch shapes never depend on the data (CUDA-graph safe); splits merge in lse_combine.
-
-With NEW_KV the key and value at `length - 1` (the decode step's own token) come from their own tensors rather than
-the cache, so that the kernel need not wait for the step's K/V write: the same values in the same tile lanes, the
-same result bit for bit.
 """
 
 from __future__ import annotations
@@ -29,12 +25,11 @@ _BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 2
 
 @triton.jit
 def _sparse_decode_fwd_kernel(
-    Q, K, V, KNew, VNew, Blocks, Length, Out_part, Lse_part,
+    Q, K, V, Blocks, Length, Out_part, Lse_part,
     qk_scale, n_kv_heads, n_q_heads, num_splits, width, slots_per_split,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_nkb, stride_nkh, stride_nvb, stride_nvh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     grid_dependency_wait(PDL)
     pid_bh = tl.program_id(0)
@@ -54,11 +49,6 @@ def _sparse_decode_fwd_kernel(
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     list_row = Blocks + pid_bh.to(tl.int64) * width
-    # NEW_KV: the newest key's row is read from KNew / VNew (its row pointers swapped, one select a row: the tiles
-    # themselves take no extra registers, which would cost the kernel programs an SM).
-    newest = length - 1
-    k_new = KNew + b * stride_nkb + h * stride_nkh
-    v_new = VNew + b * stride_nvb + h * stride_nvh
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -71,13 +61,8 @@ def _sparse_decode_fwd_kernel(
         blk = blk_next.to(tl.int64)
         tok = blk * BLOCK + (offs_n % BLOCK)
         valid = (blk >= 0) & (tok < length)
-        k_rows = k_base + tok * stride_ks
-        v_rows = v_base + tok * stride_vs
-        if NEW_KV:
-            k_rows = tl.where(tok == newest, k_new, k_rows)
-            v_rows = tl.where(tok == newest, v_new, v_rows)
-        k = tl.load(k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(k_base + tok[:, None] * stride_ks + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_base + tok[:, None] * stride_vs + offs_d[None, :], mask=valid[:, None], other=0.0)
         slot = (n0 + BLOCK_N + offs_n) // BLOCK
         blk_next = tl.load(list_row + slot, mask=slot < slot_hi, other=-1)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G_PAD, BLOCK_N], log2 units
@@ -111,9 +96,7 @@ def split_plan(batch: int, n_kv_heads: int, width: int, block_size: int, device:
 
 def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    blocks: torch.Tensor, length: torch.Tensor, *, block_size: int, scale: float,
-                                   return_lse: bool = False,
-                                   new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
-                                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as reference.sparse_decode_attention; CUDA-graph capturable."""
     if q.dim() != 3:
         raise ValueError(f"expected q of shape [B, Hq, D], got {tuple(q.shape)}")
@@ -133,12 +116,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     if D < 16 or D > 256 or D & (D - 1) or block_size & (block_size - 1) or block_size > _BLOCK_N:
         raise ValueError(f"expected head_dim a power of two in [16, 256] and block_size a power of two <= "
                          f"{_BLOCK_N}, got {D} and {block_size}")
-    k_new, v_new = new_kv if new_kv is not None else (q, q)
-    if new_kv is not None and any(t.shape != (B, Hkv, D) or t.dtype != q.dtype for t in new_kv):
-        raise ValueError(f"expected new_kv of two [{B}, {Hkv}, {D}] tensors in {q.dtype}, got "
-                         f"{[(tuple(t.shape), t.dtype) for t in new_kv]}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("blocks", blocks), ("length", length),
-                    ("new key", k_new), ("new value", v_new)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("blocks", blocks), ("length", length)):
         check_device(name, t, q.device)
     width = blocks.shape[2]
     num_splits, slots = split_plan(B, Hkv, width, block_size, q.device)
@@ -148,13 +126,12 @@ def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     pdl = use_pdl(q.device)
     with launch_context(q.device):
         _sparse_decode_fwd_kernel[(B * Hkv, num_splits)](
-            q, k_cache, v_cache, k_new, v_new, blocks, length, out_part, lse_part,
+            q, k_cache, v_cache, blocks, length, out_part, lse_part,
             scale * _LOG2E, Hkv, Hq, num_splits, width, slots,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK=block_size,
-            BLOCK_N=_BLOCK_N, NEW_KV=new_kv is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            BLOCK_N=_BLOCK_N, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             PDL=pdl, launch_pdl=pdl, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
         )
     out, lse = combine_splits_triton(out_part, lse_part, q.dtype)
