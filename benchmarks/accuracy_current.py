@@ -11,12 +11,11 @@ README.md holds these tables as printed (tests/test_accuracy_grid.py keeps the t
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.accuracy_table import _dense  # noqa: E402
+from benchmarks.accuracy_table import _dense, read_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LENGTHS = (2048, 4096, 8192, 16384, 32768)
@@ -30,46 +29,46 @@ _Q, _G = "qwen2.5-coder-0.5b", "gemma3-270m"
 _SHORT = (2048, 4096, 8192)
 # model -> (dense's run, [(engine, [(file, profile in the file, lengths or None)], cells written as EVERY_BLOCK)])
 SOURCES = {
-    _Q: ("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_resa_min512_star_min16k.json", [
-        ("resa", [("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_resa_min512_star_min16k.json", "resa", _SHORT),
-                  ("2026-11-29_h200_accuracy_qwen2.5-coder-0.5b_resa_32k.json", "resa", None)],
+    _Q: ("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_resa_min512_star_min16k.json.gz", [
+        ("resa", [("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_resa_min512_star_min16k.json.gz", "resa", _SHORT),
+                  ("2026-11-29_h200_accuracy_qwen2.5-coder-0.5b_resa_32k.json.gz", "resa", None)],
          {(t, 16384) for t in TASKS}),
-        ("star", [("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_resa_min512_star_min16k.json", "star", None)],
+        ("star", [("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_resa_min512_star_min16k.json.gz", "star", None)],
          set()),
-        ("sas-pattern", [("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_2k-32k.json", "sas-pattern", None),
+        ("sas-pattern", [("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_2k-32k.json.gz", "sas-pattern", None),
                          ("2026-11-27_h200_accuracy_qwen2.5-coder-0.5b_sas-pattern_32k.json", "sas-pattern", None)],
          set()),
         ("ltri-stream-4k", [
-            ("2026-11-27_h200_accuracy_qwen2.5-coder-0.5b_ltri-stream-4k_2k.json", "ltri-stream-4k", None),
-            ("2026-11-25_h100_accuracy_qwen2.5-coder-0.5b_ltri-stream-4k_every_layer_question_votes_4k-32k.json",
+            ("2026-11-27_h200_accuracy_qwen2.5-coder-0.5b_ltri-stream-4k_2k.json.gz", "ltri-stream-4k", None),
+            ("2026-11-25_h100_accuracy_qwen2.5-coder-0.5b_ltri-stream-4k_every_layer_question_votes_4k-32k.json.gz",
              "ltri-stream-4k", None),
-            ("2026-11-27_h200_accuracy_qwen2.5-coder-0.5b_ltri-stream-4k_32k_seeds0-2_budget_splits.json",
+            ("2026-11-27_h200_accuracy_qwen2.5-coder-0.5b_ltri-stream-4k_32k_seeds0-2_budget_splits.json.gz",
              "ltri-stream-4k", None)], set()),
     ]),
-    _G: ("2026-11-24_h100_accuracy_grid_gemma3-270m_resa_min512_star_min16k_sas.json", [
-        ("resa", [("2026-11-24_h100_accuracy_grid_gemma3-270m_resa_min512_star_min16k_sas.json", "resa", _SHORT),
-                  ("2026-11-25_h100_accuracy_gemma3-270m_resa_star_singles_16k_32k.json", "resa", None),
-                  ("2026-11-29_h200_accuracy_gemma3-270m_resa_32k_single_needles_seeds0-2.json", "resa",
+    _G: ("2026-11-24_h100_accuracy_grid_gemma3-270m_resa_min512_star_min16k_sas.json.gz", [
+        ("resa", [("2026-11-24_h100_accuracy_grid_gemma3-270m_resa_min512_star_min16k_sas.json.gz", "resa", _SHORT),
+                  ("2026-11-25_h100_accuracy_gemma3-270m_resa_star_singles_16k_32k.json.gz", "resa", None),
+                  ("2026-11-29_h200_accuracy_gemma3-270m_resa_32k_single_needles_seeds0-2.json.gz", "resa",
                    None)],
          {(t, 16384) for t in TASKS[3:]}),
-        ("star", [("2026-11-24_h100_accuracy_grid_gemma3-270m_resa_min512_star_min16k_sas.json", "star", None),
-                  ("2026-11-25_h100_accuracy_gemma3-270m_resa_star_singles_16k_32k.json", "star", None)], set()),
-        ("sas-pattern", [("2026-11-24_h100_accuracy_grid_gemma3-270m_resa_min512_star_min16k_sas.json",
+        ("star", [("2026-11-24_h100_accuracy_grid_gemma3-270m_resa_min512_star_min16k_sas.json.gz", "star", None),
+                  ("2026-11-25_h100_accuracy_gemma3-270m_resa_star_singles_16k_32k.json.gz", "star", None)], set()),
+        ("sas-pattern", [("2026-11-24_h100_accuracy_grid_gemma3-270m_resa_min512_star_min16k_sas.json.gz",
                           "sas-pattern", None)], set()),
         ("ltri-stream-4k", [
-            ("2026-11-25_h100_accuracy_gemma3-270m_ltri-stream-4k_every_layer_question_votes_2k-32k.json",
+            ("2026-11-25_h100_accuracy_gemma3-270m_ltri-stream-4k_every_layer_question_votes_2k-32k.json.gz",
              "ltri-stream-4k", None),
             ("2026-11-27_h200_accuracy_gemma3-270m_ltri-stream-4k_16k_niah_single_3_seeds0-2_budget_splits.json",
              "ltri-stream-4k", None)], set()),
     ]),
 }
 # Dense cells the main grid lacks, from another run of the same prompts.
-DENSE_MORE = {_G: "2026-11-25_h100_accuracy_gemma3-270m_resa_star_singles_16k_32k.json"}
+DENSE_MORE = {_G: "2026-11-25_h100_accuracy_gemma3-270m_resa_star_singles_16k_32k.json.gz"}
 
 
 @functools.cache
 def _result(path: Path) -> dict:
-    return json.loads(path.read_text())
+    return read_result(path)
 
 
 def _rows(file: str, profile: str, lengths) -> dict:

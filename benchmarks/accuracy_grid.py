@@ -32,6 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.accuracy_table import read_result  # noqa: E402
+
 from longctx_cli.tasks import TASKS
 from longctx_cli.units import parse_count
 
@@ -114,7 +117,7 @@ def _left(profile: str, task: str, span: str, skip: set) -> list[str]:
 def _done_cells(path: str | None) -> set[tuple[str, str, str]]:
     if not path:
         return set()
-    return {(r["profile"], r["task"], str(r["length"])) for r in json.loads(Path(path).read_text())["rows"]}
+    return {(r["profile"], r["task"], str(r["length"])) for r in read_result(path)["rows"]}
 
 
 def _joined(rows: list[dict]) -> dict:
@@ -136,7 +139,7 @@ def _joined(rows: list[dict]) -> dict:
 def merge(paths: list[Path], commands: list[str] | None = None, order: list[str] | None = None) -> dict:
     """One accuracy result from several: rows joined, each sample's results joined; the model and each profile's
     settings must agree."""
-    parts = [json.loads(Path(p).read_text()) for p in paths]
+    parts = [read_result(p) for p in paths]
     if not parts:
         raise SystemExit("no finished cell to merge")
     first, settings = parts[0], {}

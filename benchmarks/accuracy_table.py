@@ -10,6 +10,7 @@ table marks a cell below its engine's target in bold and counts them.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 
@@ -67,6 +68,13 @@ def table(result: dict, targets: dict[str, float], decides: float) -> tuple[str,
     return "\n".join(lines), missed
 
 
+def read_result(path: str | Path) -> dict:
+    """A result file: JSON, or gzipped JSON (`.json.gz`: results/ keeps files of every sample that way)."""
+    path = Path(path)
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return json.loads(data)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+")
@@ -75,7 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     targets = {k: float(v) for k, v in (t.split("=") for t in args.targets.split(",") if t)}
     for path in args.results:
-        result = json.loads(Path(path).read_text())
+        result = read_result(path)
         text, missed = table(result, targets, args.decides)
         print(f"### {result['model']} ({path})\n\n{text}\n")
         goals = ", ".join(f"{k} >= {v:.0%} of dense" for k, v in targets.items())
