@@ -58,7 +58,7 @@ SOURCES = {
         ("ltri-stream-4k", [
             ("2026-11-25_h100_accuracy_gemma3-270m_ltri-stream-4k_every_layer_question_votes_2k-32k.json.gz",
              "ltri-stream-4k", None),
-            ("2026-11-27_h200_accuracy_gemma3-270m_ltri-stream-4k_16k_niah_single_3_seeds0-2_budget_splits.json",
+            ("2026-11-27_h200_accuracy_gemma3-270m_ltri-stream-4k_16k_niah_single_3_seeds0-2_budget_splits.json.gz",
              "ltri-stream-4k", None)], set()),
     ]),
 }

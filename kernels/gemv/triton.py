@@ -7,7 +7,7 @@ programmatic dependent launch a program loads its first W tile before it waits f
 waits. On an H200 (CUDA graphs of 8 GEMVs on distinct weights): Qwen3-1.7B's four projections take 27.1 us a
 layer (40.4 with F.linear), Llama-3.1-8B's 104.0 (123.6); chained as a layer's four, each reading the one before's
 output, they stream 3.72 and 4.22 TB/s against a 4.27 TB/s copy (benchmarks/results/
-2026-11-29_h200_gemv_tiles_and_residual_in_o_gemv.json; F.linear: 2026-11-28_h200_decode_gemv.json).
+2026-11-29_h200_gemv_tiles_and_residual_in_o_gemv.json.gz; F.linear: 2026-11-28_h200_decode_gemv.json).
 
 With `norm` the RMSNorm before a projection (the Llama family's, as a decoder layer runs it before q/k/v and
 before gate/up) is folded in: each program reads the whole row once for its RMS (a few KB, from L2), so the norm
@@ -33,7 +33,7 @@ BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 8, 2048, 4, 3  # BLOCK_K at most: a ro
 ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}  # `act` names, as the kernel's ACT codes
 # (rows a program, K a step, warps) by weight shape [N, K] where an H200 sweep (4-32 rows x 512-8192 of K, 4 or 8
 # warps, each projection alone and the four chained as a layer: benchmarks/gemv_tiles.py; results/2026-11-29_
-# h200_gemv_tiles_and_residual_in_o_gemv.json) found another at least 3% faster than the default. A program's K
+# h200_gemv_tiles_and_residual_in_o_gemv.json.gz) found another at least 3% faster than the default. A program's K
 # step is one load, all of it in flight at once: long steps keep enough bytes in flight where a projection has few
 # programs (Qwen3-1.7B's o and down: 4.19 -> 2.99 and 9.37 -> 6.82 µs against 8 rows x 512 at 8 warps), short ones
 # where it has many (the gate/up GEMVs). The program count's waves over the SMs make the best tile jump between
