@@ -32,6 +32,8 @@ from longctx_cli.units import parse_count  # noqa: E402
 # The launchers' modules whose device checks, launch path and SM count are stood in for.
 _LAUNCHERS = ("kernels.block_select.triton", "kernels.sparse_decode_attention.triton", "kernels.lse_combine.triton")
 _SMS = 132  # an H100 / H200
+# An sm_90 SM's registers, shared memory a block may use (227 KB) and threads.
+_SM_REGISTERS, _SM_SHARED, _SM_THREADS = 65536, 232448, 2048
 _RESIDENT_ASSUMED = 2  # programs an SM the one-launch selection's launcher is told fit (it cannot load a kernel)
 
 
@@ -98,6 +100,14 @@ def compile_only(found: list[dict]):
         driver._active = previous
 
 
+def programs_per_sm(row: dict) -> int:
+    """Programs of a compiled kernel (a `compile_only` row) an SM holds at once: by registers (allocated to a warp
+    in units of 256, 8 a thread), shared memory and threads, the least of them."""
+    threads = row["warps"] * 32
+    by_registers = _SM_REGISTERS // (-(-row["registers"] // 8) * 8 * threads)
+    return min(by_registers, _SM_SHARED // max(1, row["shared"]), _SM_THREADS // threads)
+
+
 def decode_kernels(q_heads: int, kv_heads: int, head_dim: int, length: int) -> list[dict]:
     """resa's decode step kernels at this shape (one-launch selection over int8 descriptors, sparse attention and
     its merge), as compiled for sm_90."""
@@ -130,11 +140,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     for row in decode_kernels(*args.heads, args.head_dim, parse_count(args.length)):
-        threads = row["warps"] * 32
-        by_registers = 65536 // max(1, -(-row["registers"] // 8) * 8 * threads) if row["registers"] else None
-        by_shared = 232448 // row["shared"] if row["shared"] else None
         print(f"{row['kernel']}: {row['registers']} registers a thread, {row['shared']} B shared, {row['warps']} "
-              f"warps; programs an SM by registers {by_registers}, by shared memory {by_shared}")
+              f"warps: {programs_per_sm(row)} programs an SM")
 
 
 if __name__ == "__main__":

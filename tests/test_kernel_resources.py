@@ -13,15 +13,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or os
 
 
 def test_decode_kernels_fit_the_programs_an_sm_their_launches_plan():
-    from benchmarks.kernel_resources import decode_kernels
+    from benchmarks.kernel_resources import decode_kernels, programs_per_sm as per_sm
 
     found = {row["kernel"]: row for row in decode_kernels(16, 8, 128, 131072)}
     assert set(found) == {"_fused_select_kernel", "_sparse_decode_fwd_kernel", "_lse_combine_kernel"}
-
-    def per_sm(row):
-        by_registers = 65536 // (-(-row["registers"] // 8) * 8 * row["warps"] * 32)
-        return min(by_registers, 232448 // max(1, row["shared"]), 2048 // (row["warps"] * 32))
-
+    assert all(0 < row["registers"] <= 255 for row in found.values())
     # The sparse kernel's splits are planned for _PROGRAMS_PER_SM programs an SM; the one-launch selection asks for
     # _FUSED_PROGRAMS_PER_SM, and its row's programs must all be resident to meet.
     from kernels.block_select.triton import _FUSED_PROGRAMS_PER_SM
@@ -29,4 +25,3 @@ def test_decode_kernels_fit_the_programs_an_sm_their_launches_plan():
 
     assert per_sm(found["_sparse_decode_fwd_kernel"]) >= _PROGRAMS_PER_SM
     assert per_sm(found["_fused_select_kernel"]) >= _FUSED_PROGRAMS_PER_SM
-    assert all(0 < row["registers"] <= 255 for row in found.values())
