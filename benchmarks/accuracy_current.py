@@ -31,7 +31,9 @@ _SHORT = (2048, 4096, 8192)
 SOURCES = {
     _Q: ("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_resa_min512_star_min16k.json.gz", [
         ("resa", [("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_resa_min512_star_min16k.json.gz", "resa", _SHORT),
-                  ("2026-11-29_h200_accuracy_qwen2.5-coder-0.5b_resa_32k.json.gz", "resa", None)],
+                  ("2026-11-29_h200_accuracy_qwen2.5-coder-0.5b_resa_32k.json.gz", "resa", None),
+                  ("2026-11-29_h200_accuracy_qwen2.5-coder-0.5b_resa_32k_multiquery_seeds0-6_a0f8982.json.gz", "resa",
+                   None)],
          {(t, 16384) for t in TASKS}),
         ("star", [("2026-11-24_h100_accuracy_grid_qwen2.5-coder-0.5b_resa_min512_star_min16k.json.gz", "star", None)],
          set()),
@@ -49,6 +51,8 @@ SOURCES = {
         ("resa", [("2026-11-24_h100_accuracy_grid_gemma3-270m_resa_min512_star_min16k_sas.json.gz", "resa", _SHORT),
                   ("2026-11-25_h100_accuracy_gemma3-270m_resa_star_singles_16k_32k.json.gz", "resa", None),
                   ("2026-11-29_h200_accuracy_gemma3-270m_resa_32k_single_needles_seeds0-2.json.gz", "resa",
+                   None),
+                  ("2026-11-29_h200_accuracy_gemma3-270m_resa_32k_single_needles_seeds0-5_a0f8982.json.gz", "resa",
                    None)],
          {(t, 16384) for t in TASKS[3:]}),
         ("star", [("2026-11-24_h100_accuracy_grid_gemma3-270m_resa_min512_star_min16k_sas.json.gz", "star", None),

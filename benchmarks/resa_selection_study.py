@@ -49,7 +49,7 @@ from longctx_cli.prompt import AnswerText  # noqa: E402
 from longctx_cli.tasks import generate, score  # noqa: E402
 
 RULES = ("mean", "max", "softmax", "maxnorm", "centroid", "hybrid", "hybrid-local", "hybrid-recent", "hybrid-sink",
-         "hybrid-window", "hybrid-stale", "int8", "int8-codes", "oracle")
+         "hybrid-window", "hybrid-stale", "hybrid-ahead", "int8", "int8-codes", "oracle")
 
 
 def block_extrema(k: torch.Tensor, n: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,9 +101,12 @@ def int8_scores(qg: torch.Tensor, codes: tuple, scale: float, query_as_codes: bo
 
 
 def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float, mu=None, stale=None,
-                codes=None) -> torch.Tensor:
+                codes=None, q_before=None) -> torch.Tensor:
     """qg: [Hkv, G, D]; hi, lo, mu (block mean keys): [Hkv, NB, D]; probs_blocks: [Hkv, G, NB] -> [Hkv, NB].
-    stale: [Hkv, G, 1], each head's log-normaliser of the step before (hybrid-stale); codes: int8_descriptors."""
+    stale: [Hkv, G, 1], each head's log-normaliser of the step before (hybrid-stale); codes: int8_descriptors;
+    q_before: [Hkv, G, D], the layer's query of the step before (hybrid-ahead)."""
+    if rule == "hybrid-ahead":
+        return rule_scores("hybrid", qg if q_before is None else q_before, hi, lo, probs_blocks, scale, mu)
     if rule == "oracle":
         return probs_blocks.sum(1)
     if rule in ("int8", "int8-codes"):
@@ -140,6 +143,7 @@ class Recorder:
         self.tag: dict = {}
         self.decode_with = "dense"  # the rule whose sparse output is returned (generation follows it)
         self.lse: dict[int, tuple[int, torch.Tensor]] = {}  # layer (call order within a step) -> (n, log-normaliser)
+        self.queries: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (n, its query at that step)
         self.layer, self.last_n = 0, -1
 
     def __call__(self, q, key, value, blocks, length, *, block_size, scale):
@@ -164,6 +168,9 @@ class Recorder:
         prev = self.lse.get(self.layer)
         stale = prev[1] if prev is not None and prev[0] == n - 1 else None
         self.lse[self.layer] = (n, h.logsumexp(-1, keepdim=True))
+        prev_q = self.queries.get(self.layer)
+        q_before = prev_q[1] if prev_q is not None and prev_q[0] == n - 1 else None
+        self.queries[self.layer] = (n, qg)
         keep = self.rule.keep(nb)
         forced = torch.zeros(nb, dtype=torch.bool)
         forced[max(0, nb - self.rule.local_blocks):] = True
@@ -172,7 +179,7 @@ class Recorder:
         returned = dense_out
         kept = {}
         for name in RULES:
-            s = rule_scores(name, qg, hi, lo, pb, scale, mu, stale, codes).masked_fill(forced[None], float("inf"))
+            s = rule_scores(name, qg, hi, lo, pb, scale, mu, stale, codes, q_before).masked_fill(forced[None], float("inf"))
             top = torch.topk(s, keep, dim=-1).indices  # [Hkv, keep]
             mask = kept[name] = torch.zeros(Hkv, nb, dtype=torch.bool).scatter_(1, top, True)
             tokmask = mask.repeat_interleave(self.bs, dim=1)[:, :n]  # [Hkv, n]
