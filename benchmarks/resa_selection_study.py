@@ -137,8 +137,8 @@ def rule_scores(rule: str, qg: torch.Tensor, hi, lo, probs_blocks, scale: float,
 
 
 class Recorder:
-    def __init__(self, rule: KeepRule, block_size: int):
-        self.rule, self.bs = rule, block_size
+    def __init__(self, rule: KeepRule, block_size: int, rules: tuple[str, ...] = RULES):
+        self.rule, self.bs, self.rules = rule, block_size, rules
         self.rows: list[dict] = []
         self.tag: dict = {}
         self.decode_with = "dense"  # the rule whose sparse output is returned (generation follows it)
@@ -164,7 +164,8 @@ class Recorder:
         self.layer = self.layer + 1 if n == self.last_n else 0
         self.last_n = n
         h = hybrid_logits(qg, quest_bound(qg, hi, lo), mu, scale)
-        codes = int8_descriptors(key[:, :, :n].float(), n, self.bs)
+        codes = int8_descriptors(key[:, :, :n].float(), n, self.bs) if {"int8", "int8-codes"} & set(self.rules) \
+            else None
         prev = self.lse.get(self.layer)
         stale = prev[1] if prev is not None and prev[0] == n - 1 else None
         self.lse[self.layer] = (n, h.logsumexp(-1, keepdim=True))
@@ -178,7 +179,7 @@ class Recorder:
         row = {**self.tag, "n": n, "blocks": nb, "keep": keep}
         returned = dense_out
         kept = {}
-        for name in RULES:
+        for name in self.rules:
             s = rule_scores(name, qg, hi, lo, pb, scale, mu, stale, codes, q_before).masked_fill(forced[None], float("inf"))
             top = torch.topk(s, keep, dim=-1).indices  # [Hkv, keep]
             mask = kept[name] = torch.zeros(Hkv, nb, dtype=torch.bool).scatter_(1, top, True)
@@ -191,8 +192,10 @@ class Recorder:
                 returned = out
             row[name] = {"mass_min": round(float(mass.min()), 4), "mass_mean": round(float(mass.mean()), 4),
                          "err_max": round(float(err.max()), 4), "err_mean": round(float(err.mean()), 4)}
-        # What the query's fixed-point codes change: the share of blocks kept by both int8 rules.
-        row["int8-codes"]["same_as_int8"] = round(float((kept["int8"] & kept["int8-codes"]).sum() / (Hkv * keep)), 4)
+        if {"int8", "int8-codes"} <= kept.keys():
+            # What the query's fixed-point codes change: the share of blocks kept by both int8 rules.
+            row["int8-codes"]["same_as_int8"] = round(float((kept["int8"] & kept["int8-codes"]).sum() / (Hkv * keep)),
+                                                      4)
         self.rows.append(row)
         return returned.view(1, Hq, D).to(q.dtype)
 
@@ -208,6 +211,8 @@ def main() -> None:
     parser.add_argument("--decode-with", default="dense",
                         help="comma-separated: dense and/or rules; each generates its own answers (scored)")
     parser.add_argument("--model", default=None, help="as `longctx ask --model` (default: the embedded model)")
+    parser.add_argument("--rules", default="all", help="comma-separated rules to score (default: all; each "
+                                                        "--decode-with rule is scored too)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -217,7 +222,14 @@ def main() -> None:
     prof = resolve_profile("resa", {"keep_ratio": 0.5, "min_blocks": 16, "rectify_every": 0})
     engine = ENGINES["resa"](lm, prof.engine_config, prof.run, home=longctx_home())
     cfg = prof.engine_config
-    rec = Recorder(KeepRule(args.keep_ratio, args.min_blocks, cfg.local_blocks, cfg.sink_blocks), cfg.block_size)
+    asked = RULES if args.rules == "all" else tuple(args.rules.split(","))
+    decoders = [m for m in args.decode_with.split(",") if m != "dense"]
+    unknown = sorted(set(asked + tuple(decoders)) - set(RULES))
+    if unknown:
+        parser.error(f"unknown rules {unknown}; known: {', '.join(RULES)}")
+    rules = tuple(r for r in RULES if r in asked or r in decoders)
+    rec = Recorder(KeepRule(args.keep_ratio, args.min_blocks, cfg.local_blocks, cfg.sink_blocks), cfg.block_size,
+                   rules)
     resa_module.sparse_decode_attention = rec
     builder = PromptBuilder(lm.tokenizer, "auto", [])
     scores: dict[str, list[float]] = {}
@@ -243,10 +255,10 @@ def main() -> None:
     print({k: round(statistics.fmean(v), 1) for k, v in scores.items()})
 
     summary = {}
-    for name in RULES:
+    for name in rules:
         vals = [r[name] for r in rec.rows]
         summary[name] = {key: round(statistics.fmean(v[key] for v in vals), 4) for key in vals[0]}
-        if name == "int8-codes":
+        if name == "int8-codes" and "same_as_int8" in vals[0]:
             summary[name]["same_as_int8_min"] = min(v["same_as_int8"] for v in vals)
         summary[name]["err_max_p90"] = round(sorted(v["err_max"] for v in vals)[int(0.9 * len(vals))], 4)
     print(json.dumps(summary, indent=1))

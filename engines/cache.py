@@ -167,6 +167,13 @@ class StaticKVCache(Cache):
         self._position = self._mirrored("position", position)
         self._length = self._mirrored("length", length)
 
+    def end_decode(self) -> None:
+        """The end of a decode step (inside a captured one): an engine joins here what it left on side streams."""
+
+    def step_outputs(self) -> list[torch.Tensor]:
+        """Tensors a decode step writes for the next one besides the K/V (a capture's warm-up puts them back)."""
+        return []
+
     def _mirrored(self, name: str, source: torch.Tensor) -> dict[torch.device, torch.Tensor]:
         table = {source.device: source}
         for device in self.mirrored:

@@ -41,7 +41,12 @@ class ResaConfig:
     descriptor_dtype: "model" keeps the descriptors in the cache's dtype (the paper's); "int8" stores each
     block's two as int8 codes of one fp32 scale per block and KV head, the max rounded up and the min down so
     that Quest's bound stays an upper bound (kernels/block_descriptors): about half the bytes the selection
-    reads every step."""
+    reads every step.
+
+    select_ahead (ours, False in the paper): a decode step selects the blocks of the step after it, with its own
+    query (the first decoded token's from the question's last), so that on CUDA the selection runs on a stream of
+    its own beside the rest of the step instead of before this layer's sparse attention. A token's blocks then
+    come from the query one position earlier; its own block (the newest) is kept as always."""
 
     block_size: int = 16
     keep_ratio: float = 0.1
@@ -52,6 +57,7 @@ class ResaConfig:
     pooling: str = "mean"
     centroid: bool = False
     descriptor_dtype: str = "model"
+    select_ahead: bool = False
 
     def __post_init__(self):
         require(1 <= self.block_size <= 64 and not self.block_size & (self.block_size - 1), "block_size",

@@ -98,6 +98,7 @@ class DecodeStep:
         self.token.copy_(self.sampler(logits).view(1, 1))
         self.position.add_(1)
         self.length.add_(1)
+        self.cache.end_decode()
 
     def start(self, token: int, position: int) -> None:
         self.token.fill_(token)
@@ -115,11 +116,13 @@ class DecodeStep:
             torch.manual_seed(self.sampler.seed + 1)
 
     def _restorer(self):
-        """A function that puts the step's inputs back as they are now (a capture's warm-up advances them)."""
-        saved = [t.clone() for t in (self.token, self.position, self.length)]
+        """A function that puts the step's inputs, and what a step leaves for the next one, back as they are now (a
+        capture's warm-up advances them)."""
+        inputs = (self.token, self.position, self.length, *self.cache.step_outputs())
+        saved = [t.clone() for t in inputs]
 
         def restore() -> None:
-            for dst, src in zip((self.token, self.position, self.length), saved):
+            for dst, src in zip(inputs, saved):
                 dst.copy_(src)
         return restore
 

@@ -13,6 +13,9 @@
   dense pass (kernels/decode_attention with T queries) that overwrites their K/V and descriptors; no logits are
   computed (no final norm, no LM head), and the pass ends once the last layer's K/V are written (its attention
   and MLP feed nothing). On GPU both the decode step and the rectification step are captured CUDA graphs.
+- select_ahead: each decode step selects the next step's blocks with its own query, after its sparse attention;
+  on CUDA on a stream of its own, which the step joins at its end, so the selection leaves the path from one
+  layer to the next (the first decoded token's blocks come from the question's last query).
 - Where the rule keeps every block at every length the cache can reach (a document and its answer under the
   floor), decode steps attend with the dense kernel: no selection and no rectification, as `dense` decodes.
 """
@@ -44,9 +47,10 @@ class ResaKVLayer(StaticKVLayer):
     """A static KV layer that, on full-attention layers, also holds the block descriptors [B, Hkv, NB, D] (max
     and min keys; with the centroid rule, each plus the block's mean key; int8 codes of kscale [B, Hkv, NB] with
     descriptor_dtype int8, else kscale is None) and the selection's score histogram and sync words (scratch kept
-    between steps, kernels/block_select)."""
+    between steps, kernels/block_select); with select_ahead, the next step's blocks [B, Hkv, width] int32."""
 
     kscale: torch.Tensor | None = None
+    ahead: torch.Tensor | None = None
     appending: torch.cuda.Stream | None = None  # the stream a decode step's K/V write runs on, until joined
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -62,6 +66,8 @@ class ResaKVLayer(StaticKVLayer):
                 self.kscale = torch.zeros(batch, heads, n_blocks, dtype=torch.float32, device=self.device)
             self.score_bins = new_histogram(batch, heads, self.device)
             self.select_sync = new_sync(batch, heads, self.device)
+            if self.owner.select_ahead:
+                self.ahead = torch.full((batch, heads, self.owner.width), -1, dtype=torch.int32, device=self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """A decode step's one new token on a full-attention layer: K/V written and its block's descriptors
@@ -84,6 +90,30 @@ class ResaKVLayer(StaticKVLayer):
         self.appending = side
         return self.keys, self.values
 
+    def select(self, query: torch.Tensor, length: torch.Tensor, scale: float) -> torch.Tensor:
+        """The blocks query [B, Hq, D] keeps among those of the first `length` keys: [B, Hkv, width] int32."""
+        owner = self.owner
+        return select_blocks(query, self.kmax, self.kmin, length, block_size=owner.block_size, rule=owner.rule,
+                             width=owner.width, scale=scale, folded=owner.rule.centroid, histogram=self.score_bins,
+                             descriptor_scale=self.kscale, sync=self.select_sync)
+
+    def select_ahead(self, query: torch.Tensor, length: torch.Tensor, scale: float) -> None:
+        """The next token's blocks into self.ahead, from this one's query [B, Hq, D] and `length` keys: scored as
+        the next step will see them (length + 1 keys, whose newest block is kept anyway). While decoding on CUDA
+        (one device) on a stream of its own that starts after what the current stream has queued (the K/V write
+        joined; this layer's sparse attention, which reads the blocks it overwrites) and that the step joins at
+        its end (ResaKVCache.end_decode)."""
+        owner = self.owner
+        side = None
+        if owner.decoding and self.device.type == "cuda" and not owner.mirrored:
+            side = side_stream(self.device, "select-ahead")
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            owner.selecting[self.device] = side
+            owner.ahead_beside = True
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            following = torch.clamp(length + 1, max=owner.capacity)
+            self.ahead.copy_(self.select(query, following, scale))
+
     def join_append(self) -> None:
         """Order what follows on the current stream after this step's K/V write (see update)."""
         if self.appending is not None:
@@ -93,8 +123,8 @@ class ResaKVLayer(StaticKVLayer):
     def nbytes(self) -> int:
         extra = 0
         if self.is_initialized and not self.is_sliding:
-            extra = sum(t.nbytes for t in (self.kmax, self.kmin, self.kscale, self.score_bins, self.select_sync)
-                        if t is not None)
+            extra = sum(t.nbytes for t in (self.kmax, self.kmin, self.kscale, self.score_bins, self.select_sync,
+                                           self.ahead) if t is not None)
         return super().nbytes() + extra
 
 
@@ -112,12 +142,24 @@ class ResaKVCache(StaticKVCache):
 
     def __init__(self, config, capacity: int, resa: ResaConfig):
         self.block_size, self.rule, self.descriptor_dtype = resa.block_size, resa.rule, resa.descriptor_dtype
+        self.select_ahead = resa.select_ahead
+        self.encoding_question = False  # chunks of the question: their last query selects the first step's blocks
+        self.selecting: dict[torch.device, torch.cuda.Stream] = {}  # select_ahead's streams, until the step's end
+        self.ahead_beside = False  # a decode step's selection ran on its own stream (the report says so)
         # Static selection width: the blocks kept at full capacity (never fewer than at any shorter length).
         self.width = self.rule.keep(cdiv(capacity, resa.block_size))
         self.every_block_kept = self.keeps_every_block(self.rule, cdiv(capacity, resa.block_size))
         self.timed = False  # CPU: time estimation and sparse attention (synchronous there)
         self.times = {"estimation_s": 0.0, "sparse_attention_s": 0.0}
         super().__init__(config, capacity)
+
+    def end_decode(self) -> None:
+        for device, side in self.selecting.items():
+            torch.cuda.current_stream(device).wait_stream(side)
+        self.selecting = {}
+
+    def step_outputs(self) -> list[torch.Tensor]:
+        return [layer.ahead for layer in self.layers if layer.ahead is not None]
 
     def begin_chunk(self, offset: int, n: int) -> None:
         super().begin_chunk(offset, n)
@@ -192,6 +234,8 @@ class ResaEngine(Engine):
                                   compiled=longctx.compile_windows)
             if not layer.is_sliding:
                 _describe(layer, key, length, n_new, longctx.block_size)
+                if longctx.encoding_question:
+                    layer.select_ahead(query[:, :, -1], length, scaling)
             return out.transpose(1, 2), None
         if layer.is_sliding or n_new > 1 or longctx.every_block_kept:
             layer.join_append()
@@ -206,14 +250,16 @@ class ResaEngine(Engine):
             return out.transpose(1, 2), None
         # The new key's block descriptors were refreshed with its K/V write (ResaKVLayer.update).
         start = time.perf_counter()
-        blocks = select_blocks(query[:, :, 0], layer.kmax, layer.kmin, length, block_size=longctx.block_size,
-                               rule=longctx.rule, width=longctx.width, scale=scaling, folded=longctx.rule.centroid,
-                               histogram=layer.score_bins, descriptor_scale=layer.kscale, sync=layer.select_sync)
+        ahead = longctx.select_ahead
+        blocks = layer.ahead if ahead else layer.select(query[:, :, 0], length, scaling)
         start = _clock(longctx, "estimation_s", start)
         layer.join_append()
         out = sparse_decode_attention(query[:, :, 0], key, value, blocks, length, block_size=longctx.block_size,
                                       scale=scaling)
-        _clock(longctx, "sparse_attention_s", start)
+        start = _clock(longctx, "sparse_attention_s", start)
+        if ahead:
+            layer.select_ahead(query[:, :, 0], length, scaling)
+            _clock(longctx, "estimation_s", start)
         return out.unsqueeze(1), None
 
     def make_cache(self, capacity: int, reserve: int) -> ResaKVCache:
@@ -226,12 +272,15 @@ class ResaEngine(Engine):
                     reserve: int) -> int:
         """The KV cache plus, on full-attention layers, two descriptors per block (2/block_size of the keys; the
         centroid is folded into them; int8 with a float32 scale per block and KV head), and the selection's
-        histogram and sync words (int32, HIST_BINS + SYNC_WORDS per KV head)."""
+        histogram and sync words (int32, HIST_BINS + SYNC_WORDS per KV head); with select_ahead, the next step's
+        blocks (int32, the selection's width per KV head)."""
         cfg = engine_config or ResaConfig()
         n_blocks = cdiv(n_tokens, cfg.block_size)
         kv_heads = model_config.get_text_config(decoder=True).num_key_value_heads
         descriptors = len(full_layers(model_config)) * _block_bytes(cfg, model_config, dtype_bytes) * n_blocks
         descriptors += len(full_layers(model_config)) * kv_heads * (HIST_BINS + SYNC_WORDS) * 4
+        if cfg.select_ahead:  # the next step's blocks, int32
+            descriptors += len(full_layers(model_config)) * kv_heads * cfg.rule.keep(n_blocks) * 4
         return super().memory_plan(model_config, n_tokens, dtype_bytes, chunk_size=chunk_size,
                                    reserve=reserve) + descriptors
 
@@ -253,6 +302,20 @@ class ResaEngine(Engine):
         return {"prefill_attention": chunk_attention_backend(self.device, self.has_sliding_layers, self.head_dim),
                 "decode_attention": f"{sparse_decode_backend(self.device)} (sparse layers), "
                                     f"{decode_backend(self.device)} (exact layers, rectification)"}
+
+    def _encode_question(self, state: ResaState, question_ids: torch.Tensor, n_new: int) -> torch.Tensor:
+        """With select_ahead the question's last query selects the first decoded token's blocks."""
+        cache = state.cache
+        if not self.config.select_ahead or cache.every_block_kept:
+            return super()._encode_question(state, question_ids, n_new)
+        if not question_ids.numel():
+            raise ValueError("resa's select_ahead selects the first decoded token's blocks with the question's last "
+                             "query: expected a question of at least one token")
+        cache.encoding_question = True
+        try:
+            return super()._encode_question(state, question_ids, n_new)
+        finally:
+            cache.encoding_question = False
 
     def _on_decode_start(self, state: ResaState) -> None:
         f = self.config.rectify_every
@@ -354,6 +417,11 @@ class ResaEngine(Engine):
                "block_centroid": self.config.centroid,
                "descriptor_dtype": self.config.descriptor_dtype,
                "selection_width_blocks": state.cache.width}
+        if self.config.select_ahead and not state.cache.every_block_kept:
+            out["selection"] = ("one step ahead: each step's blocks chosen by the step before's query (the first "
+                                "step's by the question's last), " + (
+                                    "on a stream beside the step" if state.cache.ahead_beside
+                                    else "after each layer's sparse attention"))
         if not state.steps:
             return out
         rectify_s = state.rectify_s + events_seconds(state.rectify_events)

@@ -242,7 +242,10 @@ def _table(result: dict) -> None:
     for col in ("engine", "context", "prefill s", "tok/s", "decode ms/tok", "peak GiB", "roofline ms", "ratio"):
         table.add_column(col, justify="right")
     for r in result["rows"]:
-        engine = r["engine"] + (f" x{r['ranks']} ranks" if r.get("ranks", 1) > 1 else "")
+        # A profile other than the engine's own name (two profiles of one engine side by side) is named with it.
+        profile = r.get("profile", r["engine"])
+        engine = r["engine"] + ("" if profile == r["engine"] else f" ({profile})") + (
+            f" x{r['ranks']} ranks" if r.get("ranks", 1) > 1 else "")
         if "out_of_memory" in r:
             table.add_row(engine, f"{r['context_tokens']:,}", "[red]out of memory[/]",
                           f"state {r['planned_state_gib']:.1f} GiB", "-", "-", "-", "-")

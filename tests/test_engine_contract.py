@@ -33,6 +33,7 @@ PLANNED = [
     ("dense", {}),
     ("star", {"min_block_size": 64}),  # four blocks: a scratch [anchor | block] for the blocks after the first
     ("resa", {"centroid": True}),
+    ("resa", {"centroid": True, "select_ahead": True}),  # the next step's blocks, per layer
     ("sas-pattern", {}),
     ("sas-streaming-llm-h2o", {}),  # an H2O pool: scores per row
     ("ltri-stream", {}),
