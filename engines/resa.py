@@ -109,7 +109,6 @@ class ResaKVLayer(StaticKVLayer):
             side = side_stream(self.device, "select-ahead")
             side.wait_stream(torch.cuda.current_stream(self.device))
             owner.selecting[self.device] = side
-            owner.ahead_beside = True
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             following = torch.clamp(length + 1, max=owner.capacity)
             self.ahead.copy_(self.select(query, following, scale))
@@ -145,7 +144,6 @@ class ResaKVCache(StaticKVCache):
         self.select_ahead = resa.select_ahead
         self.encoding_question = False  # chunks of the question: their last query selects the first step's blocks
         self.selecting: dict[torch.device, torch.cuda.Stream] = {}  # select_ahead's streams, until the step's end
-        self.ahead_beside = False  # a decode step's selection ran on its own stream (the report says so)
         # Static selection width: the blocks kept at full capacity (never fewer than at any shorter length).
         self.width = self.rule.keep(cdiv(capacity, resa.block_size))
         self.every_block_kept = self.keeps_every_block(self.rule, cdiv(capacity, resa.block_size))
@@ -420,7 +418,8 @@ class ResaEngine(Engine):
         if self.config.select_ahead and not state.cache.every_block_kept:
             out["selection"] = ("one step ahead: each step's blocks chosen by the step before's query (the first "
                                 "step's by the question's last), " + (
-                                    "on a stream beside the step" if state.cache.ahead_beside
+                                    "on a stream beside the step"
+                                    if self.device.type == "cuda" and not state.cache.mirrored
                                     else "after each layer's sparse attention"))
         if not state.steps:
             return out
