@@ -1115,3 +1115,20 @@ def test_select_triton_long_context_multipass():
         dropped = torch.ones(cdiv(L, BS), dtype=torch.bool)
         dropped[kept] = False
         assert scores[0, h, kept].min() >= scores[0, h, :cdiv(L, BS)][dropped].max() - 1e-3
+
+
+@pytest.mark.parametrize("pooling", ["mean", "softmax"])
+def test_select_writes_into_a_given_buffer(pooling):
+    """With `out` the selection lands in the caller's buffer (a later step reads it) and equals the plain call's;
+    a buffer of the wrong shape or dtype is refused."""
+    q, _, _, kmax, kmin, length = _problem(2, 2, 300, 64, torch.float32)
+    rule = KeepRule(0.1, 4, 1, 1, pooling=pooling)
+    width = rule.keep(kmax.shape[2])
+    kw = dict(block_size=BS, rule=rule, width=width, scale=64**-0.5, histogram=new_histogram(2, 2, q.device),
+              sync=new_sync(2, 2, q.device))
+    plain = select_blocks(q, kmax, kmin, length, **kw)
+    out = torch.full((2, 2, width), 7, dtype=torch.int32, device=q.device)
+    assert select_blocks(q, kmax, kmin, length, out=out, **kw) is out and torch.equal(out, plain)
+    for bad in (out[:, :, :-1], out.to(torch.int64)):
+        with pytest.raises(ValueError, match="expected out of shape"):
+            select_blocks(q, kmax, kmin, length, out=bad, **kw)

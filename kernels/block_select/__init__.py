@@ -17,7 +17,7 @@ import functools
 import torch
 
 from kernels.block_select.reference import (HIST_BINS, PHASE_STAMPS, POOLINGS, QUERY_CODE_MAX, SYNC_WORDS, KeepRule,
-                                            block_scores, query_codes, score_bins)
+                                            block_scores, check_out, query_codes, score_bins)
 from kernels.block_select.reference import select_blocks as select_blocks_reference
 
 __all__ = ["HIST_BINS", "PHASE_STAMPS", "POOLINGS", "QUERY_CODE_MAX", "SYNC_WORDS", "KeepRule", "barrier_timeouts",
@@ -38,7 +38,7 @@ def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, lengt
                   block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
                   kmean: torch.Tensor | None = None, folded: bool = False,
                   histogram: torch.Tensor | None = None, descriptor_scale: torch.Tensor | None = None,
-                  sync: torch.Tensor | None = None) -> torch.Tensor:
+                  sync: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; kmax, kmin (and kmean, required by rule.centroid): [B, Hkv, NB, D]; length: [B] int64
     (valid keys, the new one included); scale: the attention's softmax scale (used by rule.pooling "softmax").
     folded: kmax and kmin hold max + mean and min + mean (kernels/block_descriptors' fold_mean): rule.centroid's
@@ -50,6 +50,8 @@ def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, lengt
     sync: scratch the Triton kernels keep between calls, int32 [B, Hkv, SYNC_WORDS] (`new_sync`): with it and the
     histogram, softmax pooling's selection is one launch whose programs meet there. It changes no result.
 
+    out: where to write the result (int32 [B, Hkv, width], contiguous), as a buffer a later step reads.
+
     Returns block indices [B, Hkv, width] int32: the kept blocks ascending, then -1. width >= rule.keep(NB).
     """
     if rule.centroid and kmean is None and not folded:
@@ -60,8 +62,9 @@ def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, lengt
                 folded=folded, descriptor_scale=descriptor_scale)
     impl = _triton_impl() if q.is_cuda else None
     if impl is None:
-        return select_blocks_reference(q, kmax, kmin, length, **args)
-    return impl(q, kmax, kmin, length, histogram=histogram, sync=sync, **args)
+        result = select_blocks_reference(q, kmax, kmin, length, **args)
+        return result if out is None else check_out(out, result.shape, q.device).copy_(result)
+    return impl(q, kmax, kmin, length, histogram=histogram, sync=sync, out=out, **args)
 
 
 def new_histogram(batch: int, kv_heads: int, device) -> torch.Tensor:

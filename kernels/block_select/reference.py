@@ -146,6 +146,15 @@ def block_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length
     return s.masked_fill(~inside, float("-inf"))
 
 
+def check_out(out: torch.Tensor, shape: tuple, device: torch.device) -> torch.Tensor:
+    """A selection's output buffer, checked: int32 of `shape`, contiguous, on `device`."""
+    if tuple(out.shape) != tuple(shape) or out.dtype != torch.int32 or not out.is_contiguous() \
+            or out.device != device:
+        raise ValueError(f"expected out of shape {list(shape)} int32 contiguous on {device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return out
+
+
 def select_blocks(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, length: torch.Tensor, *,
                   block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
                   kmean: torch.Tensor | None = None, folded: bool = False,

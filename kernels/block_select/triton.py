@@ -17,7 +17,7 @@ import triton
 
 from kernels._gdc import use_pdl
 from kernels._triton_common import INTERPRET, check_device, launch_context, sm_count
-from kernels.block_select.reference import PHASE_STAMPS, SYNC_WORDS, KeepRule, score_bins
+from kernels.block_select.reference import PHASE_STAMPS, SYNC_WORDS, KeepRule, check_out, score_bins
 from kernels.block_select.triton_fused import _fused_select_kernel
 from kernels.block_select.triton_scores import _block_scores_kernel, _head_bounds_kernel, _softmax_pool_kernel
 from kernels.block_select.triton_topk import HIST_BINS, _block_topk_kernel, _block_topk_resident_kernel
@@ -139,8 +139,8 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                          block_size: int, rule: KeepRule, width: int, scale: float = 1.0,
                          kmean: torch.Tensor | None = None, folded: bool = False,
                          histogram: torch.Tensor | None = None, descriptor_scale: torch.Tensor | None = None,
-                         sync: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as reference.select_blocks; CUDA-graph capturable. histogram: int32 [B, Hkv, HIST_BINS]
+                         sync: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as reference.select_blocks, written into `out` where given; CUDA-graph capturable. histogram: int32 [B, Hkv, HIST_BINS]
     scratch kept by the caller across calls. The scoring kernels count the scores' bins into it and the top-k
     takes the k-th score's bin from it: one program a row zeroes it again and does not use one that does not count
     the row's blocks; the fused launch clears it first and zeroes it again.
@@ -198,7 +198,9 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     tile = min(128, _DOT_ELEMENTS // D) if softmax else _SCORE_TILE
     n_tiles = triton.cdiv(NB, tile)
     scores = torch.empty(B, Hkv, NB, device=q.device, dtype=torch.float32)
-    out = torch.empty(B, Hkv, width, device=q.device, dtype=torch.int32)
+    if out is None:
+        out = torch.empty(B, Hkv, width, device=q.device, dtype=torch.int32)
+    check_out(out, (B, Hkv, width), q.device)
     num, den = rule.ratio
     hist = histogram is not None
     pdl = use_pdl(q.device)
