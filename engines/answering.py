@@ -38,7 +38,7 @@ class AnswerLoop:
             return
         step.start(token, state.position)
         self._on_decode_start(state)
-        ahead = self.decode_ahead and step.graph is not None
+        ahead = self.decode_ahead and step.captured
         read = step.launch()
         self._stepped(state, token)
         for produced in range(1, max_new_tokens):

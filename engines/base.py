@@ -307,7 +307,7 @@ class Engine(Reuse, AnswerLoop, ABC):
         decode = state.decode
         segments = decode.segments if decode is not None else None
         per_device = segments is not None and segments.captured
-        graph = decode is not None and decode.graph is not None or per_device
+        graph = decode is not None and decode.captured or per_device
         blocks = decode.blocks if graph else None
         return {"kv_cache_bytes": state.cache.nbytes(), "kv_capacity_tokens": state.cache.capacity,
                 "decode_cuda_graph": f"one per device ({len(segments.segments)})" if per_device else graph,

@@ -151,6 +151,7 @@ class StaticKVCache(Cache):
         self.kv_only_until: int | None = None
         self._position: dict[torch.device, torch.Tensor] = {}
         self._length: dict[torch.device, torch.Tensor] = {}
+        self.decode_variant = None  # of decode_variants(), set by the decode step
         # Devices whose layers replay captured graphs of their own (a model split over GPUs, engines/segments.py):
         # their copies of the step's position and length persist and are refreshed in place by begin_decode.
         self.mirrored: list[torch.device] = []
@@ -173,6 +174,15 @@ class StaticKVCache(Cache):
     def step_outputs(self) -> list[torch.Tensor]:
         """Tensors a decode step writes for the next one besides the K/V (a capture's warm-up puts them back)."""
         return []
+
+    def decode_variants(self) -> tuple:
+        """The forms a decode step takes in an answer (one captured graph each), the one in force read from
+        `decode_variant` while the step runs or is captured; `variant_for` says which the answer's step-th step
+        (0-based) takes."""
+        return (None,)
+
+    def variant_for(self, step: int):
+        return None
 
     def _mirrored(self, name: str, source: torch.Tensor) -> dict[torch.device, torch.Tensor]:
         table = {source.device: source}

@@ -46,7 +46,13 @@ class ResaConfig:
     select_ahead (ours, False in the paper): a decode step selects the blocks of the step after it, with its own
     query (the first decoded token's from the question's last), so that on CUDA the selection runs on a stream of
     its own beside the rest of the step instead of before this layer's sparse attention. A token's blocks then
-    come from the query one position earlier; its own block (the newest) is kept as always."""
+    come from the query one position earlier; its own block (the newest) is kept as always.
+
+    ahead_after (ours): with select_ahead, an answer's first decode steps that still select with their own query,
+    before the step that selects ahead (its first steps come after the question's last tokens, where the query
+    one position earlier is a formatting token's: ": " before a needle's value held 6-11 points less of dense's
+    attention at the second and third steps on the embedded model, and as much as the same-step rule from the
+    fourth on; benchmarks/README.md). On CUDA each form of the step is a captured graph of its own."""
 
     block_size: int = 16
     keep_ratio: float = 0.1
@@ -58,6 +64,7 @@ class ResaConfig:
     centroid: bool = False
     descriptor_dtype: str = "model"
     select_ahead: bool = False
+    ahead_after: int = 4
 
     def __post_init__(self):
         require(1 <= self.block_size <= 64 and not self.block_size & (self.block_size - 1), "block_size",
@@ -71,6 +78,7 @@ class ResaConfig:
 
         require(self.pooling in POOLINGS, "pooling", self.pooling, f"one of {', '.join(POOLINGS)}")
         require(self.rectify_every >= 0, "rectify_every", self.rectify_every, "an integer >= 0 (0 = never)")
+        require(self.ahead_after >= 0, "ahead_after", self.ahead_after, "an integer >= 0")
         require(self.descriptor_dtype in DESCRIPTOR_DTYPES, "descriptor_dtype", self.descriptor_dtype,
                 f"one of {', '.join(DESCRIPTOR_DTYPES)}")
 

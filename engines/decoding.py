@@ -82,7 +82,8 @@ class DecodeStep:
         self.length = torch.ones(1, dtype=torch.long, device=device)
         self.logits: torch.Tensor | None = None
         self.use_graph = use_graph and device.type == "cuda"
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graphs: dict = {}  # one per form of the step (cache.decode_variants)
+        self.steps = 0  # taken since start(): which form the next one takes (cache.variant_for)
         # On GPU, page-locked slots the steps' tokens are copied to, each with the event that says it has arrived:
         # two, for the step being read and the one launched ahead of it (AnswerLoop.answer).
         self.outbox = [(torch.zeros(1, dtype=torch.long, pin_memory=True), torch.cuda.Event())
@@ -100,13 +101,19 @@ class DecodeStep:
         self.length.add_(1)
         self.cache.end_decode()
 
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs)
+
     def start(self, token: int, position: int) -> None:
         self.token.fill_(token)
         self.position.fill_(position)
         self.length.fill_(position + 1)
-        if self.use_graph and self.graph is None:
+        self.steps = 0
+        if self.use_graph and not self.graphs:
             self._capture()
         elif self.segments is not None and not self.segments.captured:
+            self.cache.decode_variant = self.cache.variant_for(0)  # one capture: its caches have one form
             self.segments.capture(self._step, self._restorer(), lambda: swapped(self.blocks))
         if self.sampler.temperature > 0:
             # The steps of every answer draw from their own stream, seeded here, after any capture (whose warm-up
@@ -127,12 +134,14 @@ class DecodeStep:
         return restore
 
     def _capture(self) -> None:
-        restore = self._restorer()
-        # The warm-up writes this step's K/V once and advances the inputs; the first replay writes the same
+        # Each warm-up writes this step's K/V once and advances the inputs; the first replay writes the same
         # slot again from the restored inputs.
-        with swapped(self.blocks):
-            self.graph = capture_graph(self._step, self.token.device)
-        restore()
+        for variant in self.cache.decode_variants():
+            restore = self._restorer()
+            self.cache.decode_variant = variant
+            with swapped(self.blocks):
+                self.graphs[variant] = capture_graph(self._step, self.token.device)
+            restore()
 
     def launch(self):
         """One step, queued; returns a function that gives its token once it is computed. The token's copy to the
@@ -152,8 +161,10 @@ class DecodeStep:
         return read
 
     def step(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
+        variant = self.cache.decode_variant = self.cache.variant_for(self.steps)
+        self.steps += 1
+        if self.graphs:
+            self.graphs[variant].replay()
         elif self.segments is not None and self.segments.captured:
             self.segments.replay(self._step)
         else:

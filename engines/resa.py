@@ -147,7 +147,7 @@ class ResaKVCache(StaticKVCache):
 
     def __init__(self, config, capacity: int, resa: ResaConfig):
         self.block_size, self.rule, self.descriptor_dtype = resa.block_size, resa.rule, resa.descriptor_dtype
-        self.select_ahead = resa.select_ahead
+        self.select_ahead, self.ahead_after = resa.select_ahead, resa.ahead_after
         self.encoding_question = False  # chunks of the question: their last query selects the first step's blocks
         self.selecting: dict[torch.device, torch.cuda.Stream] = {}  # select_ahead's streams, until the step's end
         # Static selection width: the blocks kept at full capacity (never fewer than at any shorter length).
@@ -164,6 +164,20 @@ class ResaKVCache(StaticKVCache):
 
     def step_outputs(self) -> list[torch.Tensor]:
         return [layer.ahead for layer in self.layers if layer.ahead is not None]
+
+    def decode_variants(self) -> tuple:
+        """With select_ahead: "own" (the step's blocks from its own query; with "ahead" among the forms, it also
+        selects the next step's), then "ahead" (from the step before's). A model split over GPUs has no stream
+        beside its steps' chains: every step selects with its own query there."""
+        if not self.select_ahead or self.every_block_kept:
+            return (None,)
+        if self.mirrored:
+            return ("own",)
+        return ("own", "ahead") if self.ahead_after else ("ahead",)
+
+    def variant_for(self, step: int):
+        variants = self.decode_variants()
+        return variants[-1] if step >= self.ahead_after else variants[0]
 
     def begin_chunk(self, offset: int, n: int) -> None:
         super().begin_chunk(offset, n)
@@ -199,6 +213,17 @@ def events_seconds(events: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> f
         end.synchronize()
         total_ms += begin.elapsed_time(end)
     return total_ms / 1000
+
+
+def _selection_note(cache: ResaKVCache, device: torch.device) -> str:
+    """How select_ahead ran, for the report."""
+    variants = cache.decode_variants()
+    if "ahead" not in variants:
+        return "select_ahead not applied: a model split over GPUs selects with each step's own query"
+    first = (f"after the answer's first {cache.ahead_after} steps (their own query's)" if cache.ahead_after
+             else "the first step's by the question's last query")
+    where = "on a stream beside the step" if device.type == "cuda" else "after each layer's sparse attention"
+    return f"one step ahead: each step's blocks chosen by the step before's query, {first}, {where}"
 
 
 def _describe(layer: ResaKVLayer, key: torch.Tensor, length: torch.Tensor, n_new: int, block_size: int) -> None:
@@ -254,14 +279,14 @@ class ResaEngine(Engine):
             return out.transpose(1, 2), None
         # The new key's block descriptors were refreshed with its K/V write (ResaKVLayer.update).
         start = time.perf_counter()
-        ahead = longctx.select_ahead
-        blocks = layer.ahead if ahead else layer.select(query[:, :, 0], length, scaling)
+        variant = longctx.decode_variant
+        blocks = layer.ahead if variant == "ahead" else layer.select(query[:, :, 0], length, scaling)
         start = _clock(longctx, "estimation_s", start)
         layer.join_append()
         out = sparse_decode_attention(query[:, :, 0], key, value, blocks, length, block_size=longctx.block_size,
                                       scale=scaling)
         start = _clock(longctx, "sparse_attention_s", start)
-        if ahead:
+        if variant == "ahead" or variant == "own" and "ahead" in longctx.decode_variants():
             layer.select_ahead(query[:, :, 0], length, scaling)
             _clock(longctx, "estimation_s", start)
         return out.unsqueeze(1), None
@@ -308,9 +333,10 @@ class ResaEngine(Engine):
                                     f"{decode_backend(self.device)} (exact layers, rectification)"}
 
     def _encode_question(self, state: ResaState, question_ids: torch.Tensor, n_new: int) -> torch.Tensor:
-        """With select_ahead the question's last query selects the first decoded token's blocks."""
+        """With select_ahead from the first step on (ahead_after 0) the question's last query selects the first
+        decoded token's blocks."""
         cache = state.cache
-        if not self.config.select_ahead or cache.every_block_kept:
+        if not self.config.select_ahead or self.config.ahead_after or cache.every_block_kept:
             return super()._encode_question(state, question_ids, n_new)
         if not question_ids.numel():
             raise ValueError("resa's select_ahead selects the first decoded token's blocks with the question's last "
@@ -422,11 +448,7 @@ class ResaEngine(Engine):
                "descriptor_dtype": self.config.descriptor_dtype,
                "selection_width_blocks": state.cache.width}
         if self.config.select_ahead and not state.cache.every_block_kept:
-            out["selection"] = ("one step ahead: each step's blocks chosen by the step before's query (the first "
-                                "step's by the question's last), " + (
-                                    "on a stream beside the step"
-                                    if self.device.type == "cuda" and not state.cache.mirrored
-                                    else "after each layer's sparse attention"))
+            out["selection"] = _selection_note(state.cache, self.device)
         if not state.steps:
             return out
         rectify_s = state.rectify_s + events_seconds(state.rectify_events)

@@ -66,21 +66,24 @@ class _EagerReplay:
         self.step._step()
 
 
-def test_steps_launched_ahead_give_the_plain_loops_tokens(lm, story_text):
+@pytest.mark.parametrize("ahead", [{}, {"select_ahead": True, "ahead_after": 3}], ids=["same-step", "select-ahead"])
+def test_steps_launched_ahead_give_the_plain_loops_tokens(lm, story_text, ahead):
     """The answer loop's order with captured steps (each launched before the previous token is read, resa's
-    rectifications queued between), run on the CPU with the eager step standing in for the graph: the plain
-    loop's tokens and rectifications, and an answer closed after 5 tokens has run 5 steps (one more than needed)."""
+    rectifications queued between), run on the CPU with the eager step standing in for each form's graph (with
+    select_ahead two: the first steps' and the later ones'): the plain loop's tokens and rectifications, and an
+    answer closed after 5 tokens has run 5 steps (one more than needed)."""
     from engines.decoding import Sampler
 
     doc, question = story_ids(lm, story_text, 600)
-    engine = make_engine(lm, "resa", rectify_every=4, **SPARSE)
+    engine = make_engine(lm, "resa", rectify_every=4, **ahead, **SPARSE)
     state = engine.prefill(doc, reserve=question.numel() + 12)
     checkpoint = engine.checkpoint(state)
     plain = list(engine.answer(state, question, 12, Sampler()))
     assert engine.counters(state)["rectifications"] == 11 // 4
     engine.restore(state, checkpoint)
     step = engine._decode_step(state, Sampler())
-    step.graph = _EagerReplay(step)
+    step.graphs = {variant: _EagerReplay(step) for variant in state.cache.decode_variants()}
+    assert len(step.graphs) == (2 if ahead else 1)
     assert list(engine.answer(state, question, 12, Sampler())) == plain
     assert engine.counters(state)["rectifications"] == 11 // 4
     engine.restore(state, checkpoint)
@@ -127,12 +130,14 @@ def test_sparse_decoding_reads_a_tenth_and_answers(lm, story_text):
     assert engine.counters(state)["selection_barriers_given_up"] == 3 * layer.select_sync.shape[1]
 
 
-def test_select_ahead_reads_the_blocks_the_query_before_chose(lm, story_text, monkeypatch):
-    """select_ahead: each decode step's sparse attention reads the blocks that the layer's query one position
-    earlier keeps among the step's blocks (the question's last query for the first step), and the step then
-    selects for the next one; the answer differs from the same-step rule's by at most a few tokens here, and the
-    report says how the selection ran. Rebuilt at the end from the final descriptors: with no rectification
-    only each step's newest block, always kept, changed after its selection."""
+@pytest.mark.parametrize("after", [0, 3], ids=["ahead_after0", "ahead_after3"])
+def test_select_ahead_reads_the_blocks_the_query_before_chose(lm, story_text, monkeypatch, after):
+    """select_ahead: after the answer's first `after` steps (which read the blocks their own query keeps), each
+    decode step's sparse attention reads the blocks that the layer's query one position earlier keeps among the
+    step's blocks (with after 0, the question's last query's for the first step), and every step selects for the
+    next one; the answer differs from the same-step rule's by at most a few tokens here, and the report says how
+    the selection ran. Rebuilt at the end from the final descriptors: with no rectification only each step's
+    newest block, always kept, changed after its selection."""
     import engines.resa as resa
 
     doc, question = story_ids(lm, story_text, 2000)
@@ -150,27 +155,33 @@ def test_select_ahead_reads_the_blocks_the_query_before_chose(lm, story_text, mo
 
     monkeypatch.setattr(resa, "sparse_decode_attention", record_sparse)
     monkeypatch.setattr(resa.ResaKVLayer, "select_ahead", record_ahead)
-    engine = make_engine(lm, "resa", rectify_every=0, select_ahead=True, **SPARSE)
+    engine = make_engine(lm, "resa", rectify_every=0, select_ahead=True, ahead_after=after, **SPARSE)
     tokens, state = greedy_answer(engine, doc, question, 12)
     layers = {layer.keys.data_ptr(): layer for layer in state.cache.layers if not layer.is_sliding}
-    assert len(used) == 11 * len(layers) and len(chosen) == 12 * len(layers)
-    before = {}
-    for ptr, query, length, scale in chosen[:len(layers)]:  # the question's last chunk
-        before[ptr] = (query, length, scale)
+    n = len(layers)
+    from_question = 0 if after else n  # the question's last chunk selects the first step's blocks
+    assert len(used) == 11 * n and len(chosen) == from_question + 11 * n
+    before = {ptr: (query, length, scale) for ptr, query, length, scale in chosen[:from_question]}
     for i, (ptr, q, blocks, length) in enumerate(used):
-        query, selected_at, scale = before[ptr]
-        assert selected_at + 1 == length
-        if i >= len(layers):  # the first step's blocks come from the question's last query
-            assert torch.equal(query, used[i - len(layers)][1])
+        if i < after * n:
+            query, scale = q, chosen[from_question + i][3]
+        else:
+            query, selected_at, scale = before[ptr]
+            assert selected_at + 1 == length
+            if i >= n:
+                assert torch.equal(query, used[i - n][1])
         with torch.inference_mode():
             want = layers[ptr].select(query, torch.tensor([length]), scale)
         assert torch.equal(blocks, want), i
-        before[ptr] = chosen[len(layers) + i][1:]
+        before[ptr] = chosen[from_question + i][1:]
     same_step, _ = greedy_answer(make_engine(lm, "resa", rectify_every=0, **SPARSE), doc, question, 12)
     assert sum(a != b for a, b in zip(tokens, same_step)) <= 3, (tokens, same_step)
+    if after:
+        assert tokens[:after + 1] == same_step[:after + 1]
     counters = engine.counters(state)
     assert counters["selection"].startswith("one step ahead") and counters["selection"].endswith(
         "after each layer's sparse attention")
+    assert (f"first {after} steps" in counters["selection"]) == bool(after)
     assert "selection" not in make_engine(lm, "resa").counters(state)
 
 
