@@ -220,10 +220,11 @@ def _selection_note(cache: ResaKVCache, device: torch.device) -> str:
     variants = cache.decode_variants()
     if "ahead" not in variants:
         return "select_ahead not applied: a model split over GPUs selects with each step's own query"
-    first = (f"after the answer's first {cache.ahead_after} steps (their own query's)" if cache.ahead_after
-             else "the first step's by the question's last query")
+    n = cache.ahead_after
+    first = (f"from the answer's step {n + 1} on (its first {n} select with their own query)" if n
+             else "from the answer's first step on (its blocks by the question's last query)")
     where = "on a stream beside the step" if device.type == "cuda" else "after each layer's sparse attention"
-    return f"one step ahead: each step's blocks chosen by the step before's query, {first}, {where}"
+    return f"one step ahead {first}: each step's blocks chosen by the step before's query, {where}"
 
 
 def _describe(layer: ResaKVLayer, key: torch.Tensor, length: torch.Tensor, n_new: int, block_size: int) -> None:

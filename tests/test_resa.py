@@ -181,7 +181,7 @@ def test_select_ahead_reads_the_blocks_the_query_before_chose(lm, story_text, mo
     counters = engine.counters(state)
     assert counters["selection"].startswith("one step ahead") and counters["selection"].endswith(
         "after each layer's sparse attention")
-    assert (f"first {after} steps" in counters["selection"]) == bool(after)
+    assert (f"its first {after} select with their own query" in counters["selection"]) == bool(after)
     assert "selection" not in make_engine(lm, "resa").counters(state)
 
 
