@@ -262,7 +262,7 @@ def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
 @pytest.mark.parametrize("key,value,message", [
     ("keep_ratio", 0, "keep_ratio"), ("keep_ratio", 1.5, "keep_ratio"), ("block_size", 12, "block_size"),
     ("local_blocks", 0, "local_blocks"), ("min_blocks", 1, "min_blocks"), ("rectify_every", -1, "rectify_every"),
-    ("sink_blocks", -1, "sink_blocks"), ("pooling", "max", "pooling"),
+    ("sink_blocks", -1, "sink_blocks"), ("pooling", "max", "pooling"), ("ahead_after", -1, "ahead_after"),
 ])
 def test_bad_config_names_the_key(key, value, message):
     with pytest.raises(ConfigError, match=message):
@@ -333,3 +333,21 @@ def test_gpu_rectification_time_waits_for_a_running_rectification():
     end.record()
     assert not end.query()
     assert events_seconds([(begin, end)]) > 0.01
+
+
+def test_select_ahead_forms_of_the_decode_step(lm, story_text):
+    """The forms a decode step takes with select_ahead: the first ahead_after steps on their own query, then
+    ahead; ahead from the first step with ahead_after 0; on a model split over GPUs (mirrored devices, no stream
+    beside the step) only the own query's, and the report says select_ahead was not applied. Without it, one."""
+    doc, _ = story_ids(lm, story_text, 600)
+    for after, variants in ((4, ("own", "ahead")), (0, ("ahead",))):
+        engine = make_engine(lm, "resa", select_ahead=True, ahead_after=after, **SPARSE)
+        state = engine.prefill(doc, reserve=8)
+        cache = state.cache
+        assert cache.decode_variants() == variants
+        assert [cache.variant_for(i) for i in (0, 3, 4, 40)] == [variants[0]] * 2 + [variants[-1]] * 2
+    cache.mirrored = [torch.device("cpu")]
+    assert cache.decode_variants() == ("own",) and cache.variant_for(40) == "own"
+    assert engine.counters(state)["selection"].startswith("select_ahead not applied")
+    plain = make_engine(lm, "resa", **SPARSE).prefill(doc, reserve=8).cache
+    assert plain.decode_variants() == (None,) and plain.variant_for(7) is None
