@@ -141,9 +141,9 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
                          histogram: torch.Tensor | None = None, descriptor_scale: torch.Tensor | None = None,
                          sync: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.select_blocks, written into `out` where given; CUDA-graph capturable.
-    histogram: int32 [B, Hkv, HIST_BINS] scratch kept by the caller across calls. The scoring kernels count the scores' bins into it and the top-k
-    takes the k-th score's bin from it: one program a row zeroes it again and does not use one that does not count
-    the row's blocks; the fused launch clears it first and zeroes it again.
+    histogram: int32 [B, Hkv, HIST_BINS] scratch kept by the caller across calls. The scoring kernels count the
+    scores' bins into it and the top-k takes the k-th score's bin from it: one program a row zeroes it again and
+    does not use one that does not count the row's blocks; the fused launch clears it first and zeroes it again.
     Without it the top-k searches from the scores' range. sync: int32 [B, Hkv, SYNC_WORDS], zeroed once and kept
     by the caller: with it and the histogram, softmax pooling's selection runs as one launch (triton_fused.py)."""
     if q.dim() != 3:
