@@ -102,12 +102,12 @@ class ResaKVLayer(StaticKVLayer):
     def select_ahead(self, query: torch.Tensor, length: torch.Tensor, scale: float) -> None:
         """The next token's blocks into self.ahead, from this one's query [B, Hq, D] and `length` keys: scored as
         the next step will see them (length + 1 keys, whose newest block is kept anyway). While decoding on CUDA
-        (one device) on a stream of its own that starts after what the current stream has queued (the K/V write
+        (one device: decode_variants) on a stream of its own that starts after what the current stream has queued (the K/V write
         joined; this layer's sparse attention, which reads the blocks it overwrites) and that the step joins at
         its end (ResaKVCache.end_decode)."""
         owner = self.owner
         side = None
-        if owner.decoding and self.device.type == "cuda" and not owner.mirrored:
+        if owner.decoding and self.device.type == "cuda":
             side = side_stream(self.device, "select-ahead")
             side.wait_stream(torch.cuda.current_stream(self.device))
             owner.selecting[self.device] = side
@@ -287,7 +287,7 @@ class ResaEngine(Engine):
         out = sparse_decode_attention(query[:, :, 0], key, value, blocks, length, block_size=longctx.block_size,
                                       scale=scaling)
         start = _clock(longctx, "sparse_attention_s", start)
-        if variant == "ahead" or variant == "own" and "ahead" in longctx.decode_variants():
+        if "ahead" in longctx.decode_variants():  # this step, whichever its form, selects the next one's
             layer.select_ahead(query[:, :, 0], length, scaling)
             _clock(longctx, "estimation_s", start)
         return out.unsqueeze(1), None

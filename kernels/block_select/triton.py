@@ -200,7 +200,8 @@ def select_blocks_triton(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor
     scores = torch.empty(B, Hkv, NB, device=q.device, dtype=torch.float32)
     if out is None:
         out = torch.empty(B, Hkv, width, device=q.device, dtype=torch.int32)
-    check_out(out, (B, Hkv, width), q.device)
+    else:
+        check_out(out, (B, Hkv, width), q.device)
     num, den = rule.ratio
     hist = histogram is not None
     pdl = use_pdl(q.device)
