@@ -81,11 +81,6 @@ def exact_attention(query, key, value, scaling, sliding_window, cache):
                            compiled=cache.compile_windows).transpose(1, 2)
 
 
-class KVWritten(Exception):
-    """An engine's attention function raises it in a pass that writes K/V only (Engine._write_kv, stop_early),
-    once the cache's `kv_only_until` layer has written them."""
-
-
 class EngineInputError(ValueError):
     """A document this engine's configuration cannot take (e.g. star: more ranks than blocks); one line."""
 
@@ -233,20 +228,6 @@ class Engine(Reuse, AnswerLoop, ABC):
         out = self.model(input_ids=ids, position_ids=cache.model_positions(positions), past_key_values=cache, use_cache=True,
                          logits_to_keep=1, longctx=cache)
         return out.logits
-
-    def _write_kv(self, cache, ids: torch.Tensor, positions: torch.Tensor, *, stop_early: bool = False) -> None:
-        """ids, positions: [1, T] through the decoder layers only: their K/V into the cache, no final norm and no
-        LM head (for passes whose logits nobody reads: resa's rectification). stop_early: the engine's attention
-        raises KVWritten once the last layer's K/V are written, so that layer's attention and MLP, whose output
-        nobody reads, do not run (not where the layers replay per-device graphs: the raise would cut a capture)."""
-        cache.kv_only_until = len(cache.layers) - 1 if stop_early else None
-        try:
-            self.model.get_decoder()(input_ids=ids, position_ids=cache.model_positions(positions),
-                                     past_key_values=cache, use_cache=True, longctx=cache)
-        except KVWritten:
-            pass
-        finally:
-            cache.kv_only_until = None
 
     @torch.inference_mode()
     def _extend(self, cache, ids: torch.Tensor, start: int, progress: Callable[[int], None] | None = None, *,

@@ -147,8 +147,6 @@ class StaticKVCache(Cache):
         self.compile_windows = True  # FlexAttention for windowed layers (Engine.prefill decides per document)
         self.prefill_graphs = False  # the prefill replayed the layers' norms and MLPs as CUDA graphs
         self.positions = None  # engines/positions.py Positions where RoPE positions are re-assigned
-        # A pass that reads nothing but the K/V it writes (Engine._write_kv) ends once this layer's are written.
-        self.kv_only_until: int | None = None
         self._position: dict[torch.device, torch.Tensor] = {}
         self._length: dict[torch.device, torch.Tensor] = {}
         self.decode_variant = None  # of decode_variants(), set by the decode step
@@ -171,8 +169,9 @@ class StaticKVCache(Cache):
     def end_decode(self) -> None:
         """The end of a decode step (inside a captured one): an engine joins here what it left on side streams."""
 
-    def step_outputs(self) -> list[torch.Tensor]:
-        """Tensors a decode step writes for the next one besides the K/V (a capture's warm-up puts them back)."""
+    def step_outputs(self, start: int, n: int) -> list[torch.Tensor]:
+        """Tensors (or views) a decode step writing K/V at slots start .. start + n - 1 changes besides the K/V, for
+        the next one or for what it reads (a capture's warm-up puts them back)."""
         return []
 
     def decode_variants(self) -> tuple:
@@ -183,6 +182,10 @@ class StaticKVCache(Cache):
 
     def variant_for(self, step: int):
         return None
+
+    def decode_width(self, variant) -> int:
+        """Tokens a step of this form feeds: 1, or w > 1 for a form that feeds the w - 1 before its own again."""
+        return 1
 
     def _mirrored(self, name: str, source: torch.Tensor) -> dict[torch.device, torch.Tensor]:
         table = {source.device: source}

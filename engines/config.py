@@ -21,7 +21,8 @@ DESCRIPTOR_DTYPES = ("model", "int8")  # resa's block descriptors
 @dataclass
 class ResaConfig:
     """The paper's defaults: blocks of 16 keys, keep 10% of them (at least 16), the newest block always,
-    and a dense rectification every 32 generated tokens (0 = never, the paper's plain sparse decoding).
+    and a dense rectification every 32 generated tokens (0 = never, the paper's plain sparse decoding). Here
+    the rectification is a decode step: every 32nd feeds the 31 tokens before it again with its own, densely.
 
     sink_blocks (not in the paper, 0 there): always keep the first blocks too. Attention sinks (the first
     tokens) held 15-83% of the attention mass in Gemma 3 270M's global layers (measured on CPU at 3K tokens),
@@ -77,7 +78,8 @@ class ResaConfig:
         from kernels.block_select.reference import POOLINGS
 
         require(self.pooling in POOLINGS, "pooling", self.pooling, f"one of {', '.join(POOLINGS)}")
-        require(self.rectify_every >= 0, "rectify_every", self.rectify_every, "an integer >= 0 (0 = never)")
+        require(self.rectify_every == 0 or self.rectify_every >= 2, "rectify_every", self.rectify_every,
+                "0 (never) or an integer >= 2 (1 would re-encode every token: profile dense)")
         require(self.ahead_after >= 0, "ahead_after", self.ahead_after, "an integer >= 0")
         require(self.descriptor_dtype in DESCRIPTOR_DTYPES, "descriptor_dtype", self.descriptor_dtype,
                 f"one of {', '.join(DESCRIPTOR_DTYPES)}")

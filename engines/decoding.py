@@ -1,5 +1,5 @@
-"""Sampling and the decode step: eager on CPU, captured once as a CUDA graph and replayed on GPU (one graph per
-device's run of layers where the model is split over GPUs: engines/segments.py)."""
+"""Sampling and the decode step: eager on CPU, captured once per form as a CUDA graph and replayed on GPU (one graph
+per device's run of layers where the model is split over GPUs: engines/segments.py)."""
 
 from __future__ import annotations
 
@@ -62,12 +62,43 @@ def capture_graph(run, device: torch.device) -> torch.cuda.CUDAGraph:
     return graph
 
 
+class _Refeed:
+    """The inputs of a step form `width` tokens wide: the `width - 1` tokens before the step's own fed again with
+    it, at their positions. ids [1, width] (the last the step's token, copied on the device), positions [width]."""
+
+    def __init__(self, width: int, device: torch.device):
+        self.ids = torch.zeros(1, width, dtype=torch.long, device=device)
+        self.back = torch.arange(1 - width, 1, device=device)
+        self.positions = torch.zeros(width, dtype=torch.long, device=device)
+        # The tokens go up from page-locked memory without a sync; the event says the last copy has left it.
+        pinned = device.type == "cuda"
+        self.staged = torch.zeros(1, width - 1, dtype=torch.long, pin_memory=pinned)
+        self.sent = torch.cuda.Event() if pinned else None
+
+    def load(self, ids: list[int]) -> None:
+        if self.sent is not None:
+            self.sent.synchronize()
+        self.staged.copy_(torch.tensor(ids, dtype=torch.long).view(1, -1))
+        self.ids[:, :-1].copy_(self.staged, non_blocking=True)
+        if self.sent is not None:
+            self.sent.record(torch.cuda.current_stream(self.ids.device))
+
+    def inputs(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ids[:, -1:].copy_(token)
+        torch.add(self.back, position, out=self.positions)
+        return self.ids, self.positions
+
+
 class DecodeStep:
     """One token through the model with static shapes: `token` in, next token left in `token`.
 
     Static device tensors: token [1, 1], position [1] (where the token's K/V go), length [1] (valid keys),
-    logits [1, V] fp32 (the step's output, for teacher-forced scoring). `forward(token, position_ids)` must
-    return logits [1, 1, V] and write K/V through the cache.
+    logits [1, V] fp32 (the step's output, for teacher-forced scoring). `forward(ids, position_ids)` must
+    return the last position's logits [1, 1, V] and write K/V through the cache.
+
+    A step takes one of the cache's forms (`cache.decode_variants`; one captured graph each). A form
+    `cache.decode_width` makes w > 1 tokens wide feeds the w - 1 tokens before the step's own again with it, at
+    their positions (resa's rectification, done by a step): `refeed` gives them before that step is launched.
     """
 
     def __init__(self, forward, cache, sampler: Sampler, device: torch.device, use_graph: bool,
@@ -83,6 +114,8 @@ class DecodeStep:
         self.logits: torch.Tensor | None = None
         self.use_graph = use_graph and device.type == "cuda"
         self.graphs: dict = {}  # one per form of the step (cache.decode_variants)
+        self.segmented: dict = {}  # the same on a model split over devices: a SegmentedRun per form
+        self.refeeds: dict[int, _Refeed] = {}  # by width
         self.steps = 0  # taken since start(): which form the next one takes (cache.variant_for)
         # On GPU, page-locked slots the steps' tokens are copied to, each with the event that says it has arrived:
         # two, for the step being read and the one launched ahead of it (AnswerLoop.answer).
@@ -90,16 +123,30 @@ class DecodeStep:
                        for _ in range(2)] if device.type == "cuda" else []
         self.launched = 0
 
+    def _refeed(self, width: int) -> _Refeed:
+        if width not in self.refeeds:
+            self.refeeds[width] = _Refeed(width, self.token.device)
+        return self.refeeds[width]
+
+    def refeed(self, ids: list[int]) -> None:
+        """The tokens the next step, of a form len(ids) + 1 wide, feeds again before its own (queued, no sync)."""
+        self._refeed(len(ids) + 1).load(ids)
+
     def _step(self) -> None:
-        self.cache.begin_decode(self.position, self.length)
-        logits = self.forward(self.token, self.position.view(1, 1))[:, -1]
+        width = self.cache.decode_width(self.cache.decode_variant)
+        ids, position = ((self.token, self.position) if width == 1
+                         else self._refeed(width).inputs(self.token, self.position))
+        self.cache.begin_decode(position, self.length)
+        logits = self.forward(ids, position.view(1, -1))[:, -1]
         if self.logits is None:
             self.logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         self.logits.copy_(logits)
         self.token.copy_(self.sampler(logits).view(1, 1))
+        # Joined before the position and the length move on: work an engine left on a side stream may read them
+        # (resa's selection for the next step reads the length), and may still run after the last layer.
+        self.cache.end_decode()
         self.position.add_(1)
         self.length.add_(1)
-        self.cache.end_decode()
 
     @property
     def captured(self) -> bool:
@@ -110,11 +157,8 @@ class DecodeStep:
         self.position.fill_(position)
         self.length.fill_(position + 1)
         self.steps = 0
-        if self.use_graph and not self.graphs:
-            self._capture()
-        elif self.segments is not None and not self.segments.captured:
-            self.cache.decode_variant = self.cache.variant_for(0)  # one capture: its caches have one form
-            self.segments.capture(self._step, self._restorer(), lambda: swapped(self.blocks))
+        if self.use_graph or self.segments is not None:
+            self._capture(position)
         if self.sampler.temperature > 0:
             # The steps of every answer draw from their own stream, seeded here, after any capture (whose warm-up
             # draws too): an answer's samples depend on its seed alone, not on whether this step was made and
@@ -122,10 +166,10 @@ class DecodeStep:
             # is graph-safe (a replay reads its seed and offset).
             torch.manual_seed(self.sampler.seed + 1)
 
-    def _restorer(self):
-        """A function that puts the step's inputs, and what a step leaves for the next one, back as they are now (a
-        capture's warm-up advances them)."""
-        inputs = (self.token, self.position, self.length, *self.cache.step_outputs())
+    def _restorer(self, start: int, n: int):
+        """A function that puts the step's inputs, and what a step writing K/V at slots start .. start + n - 1
+        leaves besides them, back as they are now (a capture's warm-up advances or overwrites them)."""
+        inputs = (self.token, self.position, self.length, *self.cache.step_outputs(start, n))
         saved = [t.clone() for t in inputs]
 
         def restore() -> None:
@@ -133,15 +177,29 @@ class DecodeStep:
                 dst.copy_(src)
         return restore
 
-    def _capture(self) -> None:
-        # Each warm-up writes this step's K/V once and advances the inputs; the first replay writes the same
-        # slot again from the restored inputs.
+    def _capture(self, position: int) -> None:
+        """Each form not captured yet whose slots fit the cache from `position` on. Each warm-up writes its K/V
+        once and advances the inputs; the first replay writes the same slots again from the restored inputs. A
+        form w tokens wide is captured at position + w - 1, so that it writes slots from `position` on (not yet
+        valid: the steps overwrite them before reading them), not the w - 1 before it."""
+        done = self.graphs if self.segments is None else self.segmented
         for variant in self.cache.decode_variants():
-            restore = self._restorer()
+            shift = self.cache.decode_width(variant) - 1
+            if variant in done or (shift and position + shift >= self.cache.capacity):
+                continue
+            self.position.add_(shift)
+            self.length.add_(shift)
+            restore = self._restorer(position, shift + 1)
             self.cache.decode_variant = variant
-            with swapped(self.blocks):
-                self.graphs[variant] = capture_graph(self._step, self.token.device)
+            if self.segments is None:
+                with swapped(self.blocks):
+                    done[variant] = capture_graph(self._step, self.token.device)
+            else:
+                done[variant] = self.segments if not done else self.segments.fresh()
+                done[variant].capture(self._step, restore, lambda: swapped(self.blocks))
             restore()
+            self.position.sub_(shift)
+            self.length.sub_(shift)
 
     def launch(self):
         """One step, queued; returns a function that gives its token once it is computed. The token's copy to the
@@ -163,71 +221,9 @@ class DecodeStep:
     def step(self) -> None:
         variant = self.cache.decode_variant = self.cache.variant_for(self.steps)
         self.steps += 1
-        if self.graphs:
+        if variant in self.graphs:
             self.graphs[variant].replay()
-        elif self.segments is not None and self.segments.captured:
-            self.segments.replay(self._step)
+        elif variant in self.segmented:
+            self.segmented[variant].replay(self._step)
         else:
             self._step()
-
-
-class StaticForward:
-    """`n` known tokens through the model at positions start .. start+n-1, K/V written in place; static shapes.
-
-    For engines that re-encode their newest tokens (resa's rectification). Static device tensors: ids [1, n],
-    position [n], length [1] = start + n. `forward(ids, position_ids)` must write K/V through the cache; what it
-    returns is discarded. On GPU the step is captured once as a CUDA graph (`capture(start)` writes scratch K/V
-    at [start, start + n): call it where those slots are not yet valid) and replayed, with `blocks` in place.
-    Loading the tokens never waits for the device: the decode steps queued before it keep it busy.
-    """
-
-    def __init__(self, forward, cache, n: int, device: torch.device, use_graph: bool,
-                 blocks: DecodeBlocks | None = None, segments: SegmentedRun | None = None):
-        self.forward, self.cache, self.n, self.blocks, self.segments = forward, cache, n, blocks, segments
-        if segments is not None:
-            cache.mirrored = segments.devices
-        self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
-        self.offsets = torch.arange(n, device=device)
-        self.position = self.offsets.clone()
-        # The tokens go up from page-locked memory without a sync; the event says the last copy has left it.
-        pinned = device.type == "cuda"
-        self.staged = torch.zeros(1, n, dtype=torch.long, pin_memory=pinned)
-        self.sent = torch.cuda.Event() if pinned else None
-        self.length = torch.full((1,), n, dtype=torch.long, device=device)
-        self.use_graph = use_graph and device.type == "cuda"
-        self.graph: torch.cuda.CUDAGraph | None = None
-
-    def _run(self) -> None:
-        self.cache.begin_decode(self.position, self.length)
-        self.forward(self.ids, self.position.view(1, -1))
-
-    def _load(self, ids: list[int], start: int) -> None:
-        if len(ids) != self.n:
-            raise ValueError(f"expected {self.n} tokens, got {len(ids)}")
-        if self.sent is not None:
-            self.sent.synchronize()
-        self.staged.copy_(torch.tensor(ids, dtype=torch.long).view(1, -1))
-        self.ids.copy_(self.staged, non_blocking=True)
-        if self.sent is not None:
-            self.sent.record(torch.cuda.current_stream(self.ids.device))
-        torch.add(self.offsets, start, out=self.position)
-        self.length.fill_(start + self.n)
-
-    def capture(self, start: int) -> None:
-        if self.segments is not None and not self.segments.captured:
-            self._load([0] * self.n, start)
-            self.segments.capture(self._run, lambda: None, lambda: swapped(self.blocks))
-        if not self.use_graph or self.graph is not None:
-            return
-        self._load([0] * self.n, start)
-        with swapped(self.blocks):
-            self.graph = capture_graph(self._run, self.ids.device)
-
-    def __call__(self, ids: list[int], start: int) -> None:
-        self._load(ids, start)
-        if self.graph is not None:
-            self.graph.replay()
-        elif self.segments is not None and self.segments.captured:
-            self.segments.replay(self._run)
-        else:
-            self._run()

@@ -9,10 +9,12 @@
   all blocks with Quest's bound and keeps the top k (the local blocks always; kernels/block_select), and attention
   reads only those blocks (kernels/sparse_decode_attention). Sliding-window layers (Gemma 3) stay exact: they
   already read only their window.
-- Rectification: every `rectify_every` decoded tokens, those tokens go through the decoder layers again in one
-  dense pass (kernels/decode_attention with T queries) that overwrites their K/V and descriptors; no logits are
-  computed (no final norm, no LM head), and the pass ends once the last layer's K/V are written (its attention
-  and MLP feed nothing). On GPU both the decode step and the rectification step are captured CUDA graphs.
+- Rectification: every `rectify_every` (f) tokens, a step feeds the f - 1 tokens of the sparse steps before it
+  again with its own, in one dense pass (kernels/decode_attention with f queries): their K/V and descriptors are
+  overwritten, its own written exact, and its logits come from that pass. Batched with the step, the
+  rectification reads the weights the step reads anyway and takes that step's place: f tokens re-encoded in
+  one pass that reads the whole cache once, instead of a pass of f tokens and a sparse step. On GPU each form
+  of the step is a captured CUDA graph.
 - select_ahead: each decode step selects the next step's blocks with its own query, after its sparse attention;
   on CUDA on a stream of its own, which the step joins at its end, so the selection leaves the path from one
   layer to the next (the first decoded token's blocks come from the question's last query).
@@ -23,16 +25,14 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from engines.base import DocumentState, Engine, KVWritten
+from engines.base import DocumentState, Engine
 from engines.config import ResaConfig
 from engines.cache import StaticKVCache, StaticKVLayer, full_layers, kv_token_bytes, layer_types
-from engines.decoding import StaticForward
 from engines.streams import side_stream
 from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors
@@ -111,6 +111,9 @@ class ResaKVLayer(StaticKVLayer):
             side = side_stream(self.device, "select-ahead")
             side.wait_stream(torch.cuda.current_stream(self.device))
             owner.selecting[self.device] = side
+            # The query is the step's, freed on its stream once this layer is done: its memory must not go to the
+            # next layers' tensors while this stream, joined only at the step's end, may still read it.
+            query.record_stream(side)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             # The next step's key count, made here in each layer rather than once a step. Made once a step, the
             # selection was the first kernel on this stream after the wait on the step's own, and the captured step
@@ -148,6 +151,8 @@ class ResaKVCache(StaticKVCache):
     def __init__(self, config, capacity: int, resa: ResaConfig):
         self.block_size, self.rule, self.descriptor_dtype = resa.block_size, resa.rule, resa.descriptor_dtype
         self.select_ahead, self.ahead_after = resa.select_ahead, resa.ahead_after
+        self.rectify_every = resa.rectify_every
+        self.rectifying = False  # whether this answer's steps rectify (ResaEngine._on_decode_start)
         self.encoding_question = False  # chunks of the question: their last query selects the first step's blocks
         self.selecting: dict[torch.device, torch.cuda.Stream] = {}  # select_ahead's streams, until the step's end
         # Static selection width: the blocks kept at full capacity (never fewer than at any shorter length).
@@ -162,10 +167,16 @@ class ResaKVCache(StaticKVCache):
             torch.cuda.current_stream(device).wait_stream(side)
         self.selecting = {}
 
-    def step_outputs(self) -> list[torch.Tensor]:
-        return [layer.ahead for layer in self.layers if layer.ahead is not None]
+    def step_outputs(self, start: int, n: int) -> list[torch.Tensor]:
+        """The next step's blocks, and the descriptors of the blocks the slots lie in: a capture's scratch K/V
+        there would otherwise stay in them (the selection reads the block the step writes to)."""
+        lo, hi = start // self.block_size, cdiv(start + n, self.block_size)
+        described = [getattr(layer, name)[:, :, lo:hi] for layer in self.layers
+                     if layer.is_initialized and not layer.is_sliding for name in ("kmax", "kmin", "kscale")
+                     if getattr(layer, name) is not None]
+        return [layer.ahead for layer in self.layers if layer.ahead is not None] + described
 
-    def decode_variants(self) -> tuple:
+    def _selecting_forms(self) -> tuple:
         """With select_ahead: "own" (the step's blocks from its own query; with "ahead" among the forms, it also
         selects the next step's), then "ahead" (from the step before's). A model split over GPUs has no stream
         beside its steps' chains: every step selects with its own query there."""
@@ -175,9 +186,23 @@ class ResaKVCache(StaticKVCache):
             return ("own",)
         return ("own", "ahead") if self.ahead_after else ("ahead",)
 
+    def decode_variants(self) -> tuple:
+        """The selecting forms, then "rectify" (rectify_every tokens wide: the f - 1 tokens of the sparse steps
+        before it and its own, dense) where the steps rectify."""
+        rectify = ("rectify",) if self.rectify_every and not self.every_block_kept else ()
+        return self._selecting_forms() + rectify
+
+    def decode_width(self, variant) -> int:
+        return self.rectify_every if variant == "rectify" else 1
+
     def variant_for(self, step: int):
-        variants = self.decode_variants()
-        return variants[-1] if step >= self.ahead_after else variants[0]
+        """Every f-th step rectifies while `rectifying` (with select_ahead its last query selects the next step's
+        blocks, as a step's does)."""
+        every = self.rectify_every
+        if self.rectifying and step % every == every - 1:
+            return "rectify"
+        forms = self._selecting_forms()
+        return forms[-1] if step >= self.ahead_after else forms[0]
 
     def begin_chunk(self, offset: int, n: int) -> None:
         super().begin_chunk(offset, n)
@@ -188,19 +213,19 @@ class ResaKVCache(StaticKVCache):
 @dataclass
 class ResaState(DocumentState):
     """A document's state under resa: the cache (descriptors included) and what decoding did since the
-    question: the rectification pass (None: never), the tokens it will re-encode, and the report's tallies."""
+    question: the tokens the next rectification feeds again, and the report's tallies."""
 
-    rectify: StaticForward | None = None
-    pending: list[int] = field(default_factory=list)  # tokens decoded since the last rectification
+    pending: list[int] = field(default_factory=list)  # tokens of the sparse steps since the last rectification
     steps: int = 0
     kept_tokens: int = 0  # summed over steps: tokens of the blocks kept, and of the whole context
     context_tokens: int = 0
     rectifications: int = 0
     rectify_s: float = 0.0  # CPU; on GPU the events' times
     rectify_events: list = field(default_factory=list)
+    rectify_began: object = None  # the open rectification's start: an event on GPU, a clock reading on CPU
 
-    def start_decoding(self, rectify: StaticForward | None) -> None:
-        self.rectify, self.pending, self.rectify_events = rectify, [], []
+    def start_decoding(self) -> None:
+        self.pending, self.rectify_events, self.rectify_began = [], [], None
         self.steps = self.kept_tokens = self.context_tokens = self.rectifications = 0
         self.rectify_s = 0.0
 
@@ -269,14 +294,14 @@ class ResaEngine(Engine):
             return out.transpose(1, 2), None
         if layer.is_sliding or n_new > 1 or longctx.every_block_kept:
             layer.join_append()
-            # Exact layers, the rectification pass (n_new tokens re-encoded densely), and every layer while every
-            # block is kept (no descriptor reads then). Otherwise a decode step's token refreshed its block's
+            # Exact layers, the rectifying step (the pending tokens fed again with its own, dense), and every layer
+            # while every block is kept (no descriptor reads then). Otherwise a decode step's token refreshed its block's
             # descriptors with its K/V write.
             if not layer.is_sliding and n_new > 1:
                 _describe(layer, key, length, n_new, longctx.block_size)
-            if module.layer_idx == longctx.kv_only_until:
-                raise KVWritten
             out = decode_attention(query, key, value, length, scale=scaling, window=sliding_window)
+            if longctx.decode_variant == "rectify" and "ahead" in longctx.decode_variants() and not layer.is_sliding:
+                layer.select_ahead(query[:, :, -1], length, scaling)
             return out.transpose(1, 2), None
         # The new key's block descriptors were refreshed with its K/V write (ResaKVLayer.update).
         start = time.perf_counter()
@@ -315,17 +340,19 @@ class ResaEngine(Engine):
                                    reserve=reserve) + descriptors
 
     def kv_read_bytes(self, model_config, n_tokens: int, dtype_bytes: int) -> int:
-        """Per decode step: kept blocks + descriptors on covered layers, windows elsewhere, plus 1/f of the
-        dense rectification pass over the whole cache (amortised). Where every block is kept, dense's bytes
-        (ResaKVCache.every_block_kept, with n_tokens for the cache's capacity)."""
+        """Per decode step, averaged over the f steps from one rectification to the next: on covered layers f - 1
+        sparse steps read the kept blocks and the descriptors, the rectifying step the whole cache; windows
+        elsewhere. Where every block is kept, dense's bytes (ResaKVCache.every_block_kept, with n_tokens for the
+        cache's capacity)."""
         block, every = self.config.block_size, self.config.rectify_every
         n_blocks = cdiv(n_tokens, block)
         if ResaKVCache.keeps_every_block(self.config.rule, n_blocks):
             return Engine.kv_read_bytes(model_config, n_tokens, dtype_bytes)
-        kept = min(n_tokens, self.config.rule.keep(n_blocks) * block)
-        sparse = kept + (n_tokens // every if every else 0)  # token equivalents per covered layer
         token = kv_token_bytes(model_config, dtype_bytes)
-        per_layer = token * (sparse - n_tokens) + _block_bytes(self.config, model_config, dtype_bytes) * n_blocks
+        sparse = token * min(n_tokens, self.config.rule.keep(n_blocks) * block) \
+            + _block_bytes(self.config, model_config, dtype_bytes) * n_blocks
+        per_layer = ((every - 1) * sparse + token * n_tokens) // every - token * n_tokens if every else \
+            sparse - token * n_tokens
         return Engine.kv_read_bytes(model_config, n_tokens, dtype_bytes) + len(full_layers(model_config)) * per_layer
 
     def backends(self) -> dict[str, str]:
@@ -349,46 +376,41 @@ class ResaEngine(Engine):
             cache.encoding_question = False
 
     def _on_decode_start(self, state: ResaState) -> None:
-        f = self.config.rectify_every
-        rectify = None
-        # Decoding every block densely, the steps write the K/V a rectification would: none is needed.
-        if f and state.position + f <= state.cache.capacity and not state.cache.every_block_kept:
-            cache = state.cache
-            use_graph = self.run.decode_graph and self.single_device and self.device.type == "cuda"
-            segments = self._segmented_run()  # a model split over GPUs: a graph per device
-            # The decode step's modules (compiled ones compile once more, for f tokens).
-            write = functools.partial(self._write_kv, cache, stop_early=segments is None)
-            blocks = self._decode_blocks(use_graph or segments is not None, self.run.compile_decode)
-            rectify = StaticForward(write, cache, f, self.device, use_graph, blocks, segments)
-            # Captured now, not at the first rectification, so that it never lands inside timed decoding;
-            # its scratch writes go to slots the decode steps overwrite before reading them.
-            rectify.capture(state.position)
-        state.start_decoding(rectify)
+        # Decoding every block densely, the steps write the K/V a rectification would: none is needed. A step that
+        # rectifies writes its f slots up to its own, so the first needs them past the answer's start.
+        cache, f = state.cache, self.config.rectify_every
+        cache.rectifying = bool(f) and not cache.every_block_kept and state.position + f <= cache.capacity
+        state.start_decoding()
 
     def _after_step(self, state: ResaState, fed_token: int) -> None:
+        cache = state.cache
         length = state.position + 1
+        rectified = cache.variant_for(state.steps) == "rectify"
         state.steps += 1
+        if rectified:
+            if self.device.type == "cuda":
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                state.rectify_events.append((state.rectify_began, end))
+            else:
+                state.rectify_s += time.perf_counter() - state.rectify_began
+            state.pending = []
+            state.rectifications += 1
+            return
+        # What the sparse steps read (a rectifying step reads the whole cache).
         state.context_tokens += length
         state.kept_tokens += min(length, self.config.rule.keep(cdiv(length, self.config.block_size))
                                  * self.config.block_size)
-        if state.rectify is None:
+        if not cache.rectifying:
             return
         state.pending.append(fed_token)
-        if len(state.pending) < self.config.rectify_every:
-            return
-        start = length - len(state.pending)
-        if self.device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            state.rectify(state.pending, start)
-            end.record()
-            state.rectify_events.append((begin, end))
-        else:
-            t0 = time.perf_counter()
-            state.rectify(state.pending, start)
-            state.rectify_s += time.perf_counter() - t0
-        state.pending = []
-        state.rectifications += 1
+        if cache.variant_for(state.steps) == "rectify":  # the next step feeds these tokens again with its own
+            state.decode.refeed(state.pending)
+            if self.device.type == "cuda":
+                state.rectify_began = torch.cuda.Event(enable_timing=True)
+                state.rectify_began.record()
+            else:
+                state.rectify_began = time.perf_counter()
 
     reusable = True
 
@@ -465,6 +487,10 @@ class ResaEngine(Engine):
         out.update(decode_steps=state.steps, blocks_kept_last_step=kept, blocks_total_last_step=n_blocks,
                    kv_fraction_read=round(state.kept_tokens / state.context_tokens, 4),
                    rectifications=state.rectifications, rectification_s=round(rectify_s, 4))
+        if state.cache.rectifying:
+            f = self.config.rectify_every
+            out["rectification"] = (f"every {f}th step feeds the {f - 1} tokens before it again with its own, dense "
+                                    f"(rectification_s: those steps' time; kv_fraction_read: the sparse steps')")
         given_up = sum(barrier_timeouts(layer.select_sync) for _, layer in self._descriptor_layers(state.cache))
         if given_up:  # the device did not run a row's selection programs at once: those selections are suspect
             out["selection_barriers_given_up"] = given_up

@@ -120,12 +120,13 @@ def device_runs(layer_devices: list[torch.device]) -> list[range]:
 
 
 class SegmentedRun:
-    """A static-shape forward (a decode step, resa's rectification) over a model split in device segments, with
+    """A static-shape forward (one form of a decode step) over a model split in device segments, with
     each segment's layers replayed from its own graph. `layer_devices[i]`: the device of decoder layer i."""
 
     def __init__(self, model: torch.nn.Module, layer_devices: list[torch.device], graph_class=CudaGraph,
                  runs: list[range] | None = None):
         """runs: the segments' layers (default: each device's run of layers)."""
+        self.args = (model, layer_devices, graph_class, runs)
         self.decoder = model.get_decoder()
         layers = self.decoder.layers
         self.segments: list[Segment] = []
@@ -136,6 +137,10 @@ class SegmentedRun:
             stand_ins += [_StandIn(segment, k) for k in range(len(run))]
         self.stand_ins = torch.nn.ModuleList(stand_ins)
         self.captured = False
+
+    def fresh(self) -> "SegmentedRun":
+        """Another run over the same segments, for a forward of other shapes (its own graphs)."""
+        return SegmentedRun(*self.args)
 
     @property
     def devices(self) -> list[torch.device]:

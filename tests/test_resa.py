@@ -66,12 +66,14 @@ class _EagerReplay:
         self.step._step()
 
 
-@pytest.mark.parametrize("ahead", [{}, {"select_ahead": True, "ahead_after": 3}], ids=["same-step", "select-ahead"])
+@pytest.mark.parametrize("ahead", [{"select_ahead": False}, {"select_ahead": True, "ahead_after": 3}],
+                         ids=["same-step", "select-ahead"])
 def test_steps_launched_ahead_give_the_plain_loops_tokens(lm, story_text, ahead):
-    """The answer loop's order with captured steps (each launched before the previous token is read, resa's
-    rectifications queued between), run on the CPU with the eager step standing in for each form's graph (with
-    select_ahead two: the first steps' and the later ones'): the plain loop's tokens and rectifications, and an
-    answer closed after 5 tokens has run 5 steps (one more than needed)."""
+    """The answer loop's order with captured steps (each launched before the previous token is read, a
+    rectifying step's tokens given in between), run on the CPU with the eager step standing in for each form's
+    graph (the sparse step and the rectifying one; with select_ahead, the sparse step's two: the first steps' and
+    the later ones'): the plain loop's tokens and rectifications, and an answer closed after 5 tokens has run 5
+    steps (one more than needed)."""
     from engines.decoding import Sampler
 
     doc, question = story_ids(lm, story_text, 600)
@@ -83,7 +85,7 @@ def test_steps_launched_ahead_give_the_plain_loops_tokens(lm, story_text, ahead)
     engine.restore(state, checkpoint)
     step = engine._decode_step(state, Sampler())
     step.graphs = {variant: _EagerReplay(step) for variant in state.cache.decode_variants()}
-    assert len(step.graphs) == (2 if ahead else 1)
+    assert len(step.graphs) == (3 if ahead["select_ahead"] else 2) and "rectify" in step.graphs
     assert list(engine.answer(state, question, 12, Sampler())) == plain
     assert engine.counters(state)["rectifications"] == 11 // 4
     engine.restore(state, checkpoint)
@@ -174,7 +176,8 @@ def test_select_ahead_reads_the_blocks_the_query_before_chose(lm, story_text, mo
             want = layers[ptr].select(query, torch.tensor([length]), scale)
         assert torch.equal(blocks, want), i
         before[ptr] = chosen[from_question + i][1:]
-    same_step, _ = greedy_answer(make_engine(lm, "resa", rectify_every=0, **SPARSE), doc, question, 12)
+    same_step, _ = greedy_answer(make_engine(lm, "resa", rectify_every=0, select_ahead=False, **SPARSE), doc,
+                                 question, 12)
     assert sum(a != b for a, b in zip(tokens, same_step)) <= 3, (tokens, same_step)
     if after:
         assert tokens[:after + 1] == same_step[:after + 1]
@@ -182,7 +185,37 @@ def test_select_ahead_reads_the_blocks_the_query_before_chose(lm, story_text, mo
     assert counters["selection"].startswith("one step ahead") and counters["selection"].endswith(
         "after each layer's sparse attention")
     assert (f"its first {after} select with their own query" in counters["selection"]) == bool(after)
-    assert "selection" not in make_engine(lm, "resa").counters(state)
+    assert "selection" not in make_engine(lm, "resa", select_ahead=False).counters(state)
+
+
+def test_rectifying_step_selects_the_next_steps_blocks(lm, story_text, monkeypatch):
+    """select_ahead with rectification: a rectifying step (every 4th with rectify_every 4) reads no blocks and
+    its last query selects the next step's, so each layer alternates between a step's read and its selection
+    for the next, the question's last query selecting the first step's blocks."""
+    import engines.resa as resa
+
+    doc, question = story_ids(lm, story_text, 2000)
+    events: dict[int, list[str]] = {}
+    sparse = resa.sparse_decode_attention
+    select_ahead = resa.ResaKVLayer.select_ahead
+
+    def record_sparse(q, key, value, blocks, length, **kwargs):
+        events.setdefault(key.data_ptr(), []).append("read")
+        return sparse(q, key, value, blocks, length, **kwargs)
+
+    def record_ahead(layer, query, length, scale):
+        events.setdefault(layer.keys.data_ptr(), []).append(
+            layer.owner.decode_variant if layer.owner.decoding else "question")
+        return select_ahead(layer, query, length, scale)
+
+    monkeypatch.setattr(resa, "sparse_decode_attention", record_sparse)
+    monkeypatch.setattr(resa.ResaKVLayer, "select_ahead", record_ahead)
+    engine = make_engine(lm, "resa", rectify_every=4, select_ahead=True, ahead_after=0, **SPARSE)
+    _, state = greedy_answer(engine, doc, question, 12)
+    assert engine.counters(state)["rectifications"] == 2
+    sparse_steps = ["read", "ahead"] * 3
+    want = ["question"] + sparse_steps + ["rectify"] + sparse_steps + ["rectify"] + sparse_steps
+    assert len(events) == 3 and all(got == want for got in events.values()), events
 
 
 def test_select_ahead_with_every_block_kept_equals_dense(lm, story_text, monkeypatch):
@@ -207,12 +240,11 @@ def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
     a rebuild; without rectification the sparse-written K/V differ (so the check is not vacuous), and their
     descriptors, written by the decode steps alone, match a rebuild too."""
     doc, question = story_ids(lm, story_text, 1000)
-    # The same 16 tokens fed through 16 decode steps of both runs (teacher forcing): one rectification with
-    # rectify_every=16, none with 0.
+    # The same 16 tokens fed through 16 decode steps of both runs (teacher forcing): with rectify_every=16 the
+    # 16th step rectifies (the 15 tokens before it fed again with its own), none with 0.
     targets = doc[1:18].tolist()
     states = {}
-    # Tokens the first and the last layer's MLP saw while decoding: the rectification's pass ends once the last
-    # layer's K/V are written, so that layer's MLP never sees its 16 tokens.
+    # Tokens the first and the last layer's MLP saw while decoding: the rectifying step is a whole pass.
     seen = {0: [], -1: []}
     for every in (16, 0):
         engine = make_engine(lm, "resa", rectify_every=every, **SPARSE)
@@ -226,7 +258,7 @@ def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
         finally:
             for hook in hooks:
                 hook.remove()
-    assert 16 in seen[0] and 16 not in seen[-1] and 1 in seen[-1], seen
+    assert seen[0] == seen[-1] and sorted(set(seen[0])) == [1, 16], seen
     state = states[16]
     assert engine.counters(state)["rectifications"] == 1 and engine.counters(states[0])["rectifications"] == 0
     start = doc.numel() + question.numel()
@@ -262,6 +294,7 @@ def test_rectification_rewrites_exact_kv_and_descriptors(lm, story_text):
 @pytest.mark.parametrize("key,value,message", [
     ("keep_ratio", 0, "keep_ratio"), ("keep_ratio", 1.5, "keep_ratio"), ("block_size", 12, "block_size"),
     ("local_blocks", 0, "local_blocks"), ("min_blocks", 1, "min_blocks"), ("rectify_every", -1, "rectify_every"),
+    ("rectify_every", 1, "rectify_every"),
     ("sink_blocks", -1, "sink_blocks"), ("pooling", "max", "pooling"), ("ahead_after", -1, "ahead_after"),
 ])
 def test_bad_config_names_the_key(key, value, message):
@@ -336,18 +369,23 @@ def test_gpu_rectification_time_waits_for_a_running_rectification():
 
 
 def test_select_ahead_forms_of_the_decode_step(lm, story_text):
-    """The forms a decode step takes with select_ahead: the first ahead_after steps on their own query, then
+    """The forms a decode step takes: with select_ahead the first ahead_after steps on their own query, then
     ahead; ahead from the first step with ahead_after 0; on a model split over GPUs (mirrored devices, no stream
-    beside the step) only the own query's, and the report says select_ahead was not applied. Without it, one."""
+    beside the step) only the own query's, and the report says select_ahead was not applied. Without it, one.
+    Where the answer rectifies, every f-th step is the rectifying form, f tokens wide."""
     doc, _ = story_ids(lm, story_text, 600)
-    for after, variants in ((4, ("own", "ahead")), (0, ("ahead",))):
-        engine = make_engine(lm, "resa", select_ahead=True, ahead_after=after, **SPARSE)
+    for after, forms in ((4, ("own", "ahead")), (0, ("ahead",))):
+        engine = make_engine(lm, "resa", select_ahead=True, ahead_after=after, rectify_every=8, **SPARSE)
         state = engine.prefill(doc, reserve=8)
         cache = state.cache
-        assert cache.decode_variants() == variants
-        assert [cache.variant_for(i) for i in (0, 3, 4, 40)] == [variants[0]] * 2 + [variants[-1]] * 2
+        assert cache.decode_variants() == forms + ("rectify",)
+        assert cache.decode_width("rectify") == 8 and {cache.decode_width(f) for f in forms} == {1}
+        assert [cache.variant_for(i) for i in (0, 3, 4, 8, 40)] == [forms[0]] * 2 + [forms[-1]] * 3
+        cache.rectifying = True
+        assert [cache.variant_for(i) for i in (3, 6, 7, 8, 15, 23, 24)] == \
+            [forms[0], forms[-1], "rectify", forms[-1], "rectify", "rectify", forms[-1]]
     cache.mirrored = [torch.device("cpu")]
-    assert cache.decode_variants() == ("own",) and cache.variant_for(40) == "own"
+    assert cache.decode_variants() == ("own", "rectify") and cache.variant_for(40) == "own"
     assert engine.counters(state)["selection"].startswith("select_ahead not applied")
-    plain = make_engine(lm, "resa", **SPARSE).prefill(doc, reserve=8).cache
+    plain = make_engine(lm, "resa", rectify_every=0, select_ahead=False, **SPARSE).prefill(doc, reserve=8).cache
     assert plain.decode_variants() == (None,) and plain.variant_for(7) is None
