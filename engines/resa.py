@@ -232,7 +232,7 @@ class ResaState(DocumentState):
 
 def events_seconds(events: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
     """Seconds between each (begin, end) pair of timing events, summed. Waits for each end first: an answer that
-    stops on the step that launched a rectification is reported while that rectification still runs."""
+    stops on a rectifying step is reported while that step may still run."""
     total_ms = 0.0
     for begin, end in events:
         end.synchronize()
@@ -489,7 +489,7 @@ class ResaEngine(Engine):
                    rectifications=state.rectifications, rectification_s=round(rectify_s, 4))
         if state.cache.rectifying:
             f = self.config.rectify_every
-            out["rectification"] = (f"every {f}th step feeds the {f - 1} tokens before it again with its own, dense "
+            out["rectification"] = (f"one step in {f} feeds the {f - 1} tokens before it again with its own, dense "
                                     f"(rectification_s: those steps' time; kv_fraction_read: the sparse steps')")
         given_up = sum(barrier_timeouts(layer.select_sync) for _, layer in self._descriptor_layers(state.cache))
         if given_up:  # the device did not run a row's selection programs at once: those selections are suspect

@@ -120,6 +120,7 @@ def test_sparse_decoding_reads_a_tenth_and_answers(lm, story_text):
     assert counters["blocks_kept_last_step"] == cdiv(n_blocks, 10) < n_blocks
     assert 0.09 < counters["kv_fraction_read"] < 0.12
     assert counters["rectifications"] == 1 and counters["rectification_s"] > 0
+    assert counters["rectification"].startswith("one step in 8 feeds the 7 tokens before it again with its own")
     assert counters["estimation_s"] > 0 and counters["sparse_attention_s"] > 0
     text = lm.tokenizer.decode(tokens)
     assert text.strip(), "no answer"
