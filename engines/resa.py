@@ -102,9 +102,9 @@ class ResaKVLayer(StaticKVLayer):
     def select_ahead(self, query: torch.Tensor, length: torch.Tensor, scale: float) -> None:
         """The next token's blocks into self.ahead, from this one's query [B, Hq, D] and `length` keys: scored as
         the next step will see them (length + 1 keys, whose newest block is kept anyway). While decoding on CUDA
-        (one device: decode_variants) on a stream of its own that starts after what the current stream has queued (the K/V write
-        joined; this layer's sparse attention, which reads the blocks it overwrites) and that the step joins at
-        its end (ResaKVCache.end_decode)."""
+        (one device: decode_variants) on a stream of its own that starts after what the current stream has
+        queued (the K/V write joined; this layer's sparse attention, which reads the blocks it overwrites) and
+        that the step joins at its end (ResaKVCache.end_decode)."""
         owner = self.owner
         side = None
         if owner.decoding and self.device.type == "cuda":
@@ -295,8 +295,8 @@ class ResaEngine(Engine):
         if layer.is_sliding or n_new > 1 or longctx.every_block_kept:
             layer.join_append()
             # Exact layers, the rectifying step (the pending tokens fed again with its own, dense), and every layer
-            # while every block is kept (no descriptor reads then). Otherwise a decode step's token refreshed its block's
-            # descriptors with its K/V write.
+            # while every block is kept (no descriptor reads then). Otherwise a decode step's token refreshed its
+            # block's descriptors with its K/V write.
             if not layer.is_sliding and n_new > 1:
                 _describe(layer, key, length, n_new, longctx.block_size)
             out = decode_attention(query, key, value, length, scale=scaling, window=sliding_window)
@@ -349,10 +349,11 @@ class ResaEngine(Engine):
         if ResaKVCache.keeps_every_block(self.config.rule, n_blocks):
             return Engine.kv_read_bytes(model_config, n_tokens, dtype_bytes)
         token = kv_token_bytes(model_config, dtype_bytes)
-        sparse = token * min(n_tokens, self.config.rule.keep(n_blocks) * block) \
+        read = token * min(n_tokens, self.config.rule.keep(n_blocks) * block) \
             + _block_bytes(self.config, model_config, dtype_bytes) * n_blocks
-        per_layer = ((every - 1) * sparse + token * n_tokens) // every - token * n_tokens if every else \
-            sparse - token * n_tokens
+        if every:
+            read = ((every - 1) * read + token * n_tokens) // every
+        per_layer = read - token * n_tokens
         return Engine.kv_read_bytes(model_config, n_tokens, dtype_bytes) + len(full_layers(model_config)) * per_layer
 
     def backends(self) -> dict[str, str]:
