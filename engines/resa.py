@@ -17,7 +17,9 @@
   of the step is a captured CUDA graph.
 - select_ahead: each decode step selects the next step's blocks with its own query, after its sparse attention;
   on CUDA on a stream of its own, which the step joins at its end, so the selection leaves the path from one
-  layer to the next (the first decoded token's blocks come from the question's last query).
+  layer to the next (the first decoded token's blocks come from the question's last query). On one device the
+  covered layers' descriptors and selection buffers are slices of stacked tensors: each layer keeps its query
+  and the last one selects for all of them in one call, the launches' fixed costs paid once a step.
 - Where the rule keeps every block at every length the cache can reach (a document and its answer under the
   floor), decode steps attend with the dense kernel: no selection and no rectification, as `dense` decodes.
 """
@@ -25,6 +27,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -32,7 +35,7 @@ import torch
 
 from engines.base import DocumentState, Engine
 from engines.config import ResaConfig
-from engines.cache import StaticKVCache, StaticKVLayer, full_layers, kv_token_bytes, layer_types
+from engines.cache import StaticKVCache, StaticKVLayer, full_layers, head_dim, kv_token_bytes, layer_types
 from engines.streams import side_stream
 from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors
@@ -51,23 +54,27 @@ class ResaKVLayer(StaticKVLayer):
 
     kscale: torch.Tensor | None = None
     ahead: torch.Tensor | None = None
+    query: torch.Tensor | None = None  # with select_ahead, the step's query kept for the stacked selection
+    slot: int = 0  # index among the cache's covered (full-attention) layers
     appending: torch.cuda.Stream | None = None  # the stream a decode step's K/V write runs on, until joined
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         if not self.is_sliding:
+            owner = self.owner
             batch, heads, _, dim = key_states.shape
-            n_blocks = cdiv(self.capacity, self.owner.block_size)
-            int8 = self.owner.descriptor_dtype == "int8"
-            self.kmax = torch.zeros(batch, heads, n_blocks, dim, dtype=torch.int8 if int8 else self.dtype,
-                                    device=self.device)
-            self.kmin = torch.zeros_like(self.kmax)
+            n_blocks = cdiv(self.capacity, owner.block_size)
+            int8 = owner.descriptor_dtype == "int8"
+            buffer = functools.partial(owner.layer_buffer, self, device=self.device)
+            self.kmax = buffer("kmax", (batch, heads, n_blocks, dim), torch.int8 if int8 else self.dtype)
+            self.kmin = buffer("kmin", (batch, heads, n_blocks, dim), self.kmax.dtype)
             if int8:
-                self.kscale = torch.zeros(batch, heads, n_blocks, dtype=torch.float32, device=self.device)
-            self.score_bins = new_histogram(batch, heads, self.device)
-            self.select_sync = new_sync(batch, heads, self.device)
-            if self.owner.select_ahead:
-                self.ahead = torch.full((batch, heads, self.owner.width), -1, dtype=torch.int32, device=self.device)
+                self.kscale = buffer("kscale", (batch, heads, n_blocks), torch.float32)
+            self.score_bins = buffer("score_bins", (batch, heads, HIST_BINS), torch.int32)
+            self.select_sync = buffer("select_sync", (batch, heads, SYNC_WORDS), torch.int32)
+            if owner.select_ahead:
+                self.ahead = buffer("ahead", (batch, heads, owner.width), torch.int32, fill=-1)
+                self.query = buffer("query", (batch, owner.query_heads, dim), self.dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """A decode step's one new token on a full-attention layer: K/V written and its block's descriptors
@@ -104,7 +111,9 @@ class ResaKVLayer(StaticKVLayer):
         the next step will see them (length + 1 keys, whose newest block is kept anyway). While decoding on CUDA
         (one device: decode_variants) on a stream of its own that starts after what the current stream has
         queued (the K/V write joined; this layer's sparse attention, which reads the blocks it overwrites) and
-        that the step joins at its end (ResaKVCache.end_decode)."""
+        that the step joins at its end (ResaKVCache.end_decode). With the layers' buffers stacked (one device), a
+        decode step keeps the query and the last covered layer selects for every layer at once
+        (ResaKVCache.select_stacked)."""
         owner = self.owner
         side = None
         if owner.decoding and self.device.type == "cuda":
@@ -115,6 +124,15 @@ class ResaKVLayer(StaticKVLayer):
             # next layers' tensors while this stream, joined only at the step's end, may still read it.
             query.record_stream(side)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if owner.decoding and owner.stacked:
+                if owner._scale not in (None, scale):
+                    raise ValueError(f"expected one attention scale on every covered layer, got {owner._scale} and "
+                                     f"{scale}")
+                owner._scale = scale
+                self.query.copy_(query)
+                if self.slot == owner.covered - 1:
+                    owner.select_stacked(length, scale)
+                return
             # The next step's key count, made here in each layer rather than once a step. Made once a step, the
             # selection was the first kernel on this stream after the wait on the step's own, and the captured step
             # ran as if the selection were in its chain again (H200, Qwen3-1.7B shape, 128K: 2.40-2.42 ms a token
@@ -132,7 +150,7 @@ class ResaKVLayer(StaticKVLayer):
         extra = 0
         if self.is_initialized and not self.is_sliding:
             extra = sum(t.nbytes for t in (self.kmax, self.kmin, self.kscale, self.score_bins, self.select_sync,
-                                           self.ahead) if t is not None)
+                                           self.ahead, self.query) if t is not None)
         return super().nbytes() + extra
 
 
@@ -148,10 +166,14 @@ class ResaKVCache(StaticKVCache):
         """Whether a cache of n_blocks blocks decodes with the dense kernel: the rule keeps every one of them."""
         return cls.dense_when_every_block_kept and rule.keep(n_blocks) >= n_blocks
 
-    def __init__(self, config, capacity: int, resa: ResaConfig):
+    def __init__(self, config, capacity: int, resa: ResaConfig, stacked: bool = False):
+        """stacked: the covered layers' descriptors, selection scratch and select_ahead buffers as slices of one
+        tensor each (a model on one device), so that one selection serves every layer (select_stacked)."""
         self.block_size, self.rule, self.descriptor_dtype = resa.block_size, resa.rule, resa.descriptor_dtype
         self.select_ahead, self.ahead_after = resa.select_ahead, resa.ahead_after
         self.rectify_every = resa.rectify_every
+        self.stacked = stacked
+        self.query_heads = config.get_text_config(decoder=True).num_attention_heads
         self.rectifying = False  # whether this answer's steps rectify (ResaEngine._on_decode_start)
         self.encoding_question = False  # chunks of the question: their last query selects the first step's blocks
         self.selecting: dict[torch.device, torch.cuda.Stream] = {}  # select_ahead's streams, until the step's end
@@ -160,7 +182,38 @@ class ResaKVCache(StaticKVCache):
         self.every_block_kept = self.keeps_every_block(self.rule, cdiv(capacity, resa.block_size))
         self.timed = False  # CPU: time estimation and sparse attention (synchronous there)
         self.times = {"estimation_s": 0.0, "sparse_attention_s": 0.0}
+        self._stacks: dict[str, torch.Tensor] = {}
+        self._scale: float | None = None  # the attention's scale, the same on every covered layer
         super().__init__(config, capacity)
+        covered = [layer for layer in self.layers if not layer.is_sliding]
+        for slot, layer in enumerate(covered):
+            layer.slot = slot
+        self.covered = len(covered)
+
+    def layer_buffer(self, layer: ResaKVLayer, name: str, shape: tuple, dtype: torch.dtype, *, device,
+                     fill: int = 0) -> torch.Tensor:
+        """A covered layer's buffer, filled with `fill`: its slice of the stack of every covered layer's where the
+        cache is stacked (made by the first layer to ask), a tensor of its own otherwise."""
+        if not self.stacked:
+            return torch.full(shape, fill, dtype=dtype, device=device)
+        stack = self._stacks.get(name)
+        if stack is None:
+            stack = self._stacks[name] = torch.full((self.covered, *shape), fill, dtype=dtype, device=device)
+        if stack.shape[1:] != shape or stack.dtype != dtype or stack.device != torch.device(device):
+            raise ValueError(f"expected every covered layer's {name} as {tuple(stack.shape[1:])} {stack.dtype} on "
+                             f"{stack.device}, got {shape} {dtype} on {device}")
+        return stack[layer.slot]
+
+    def select_stacked(self, length: torch.Tensor, scale: float) -> None:
+        """Every covered layer's next-step blocks (their `ahead`) from the queries they kept this step, in one
+        selection over the stacked rows (layers x batch): the per-row work is the per-layer selection's, and the
+        fixed cost of a launch, its barriers and its tail is paid once a step instead of once a layer."""
+        stack = {name: t.flatten(0, 1) for name, t in self._stacks.items()}
+        following = torch.clamp(length + 1, max=self.capacity).repeat(self.covered)
+        select_blocks(stack["query"], stack["kmax"], stack["kmin"], following, block_size=self.block_size,
+                      rule=self.rule, width=self.width, scale=scale, folded=self.rule.centroid,
+                      histogram=stack["score_bins"], descriptor_scale=stack.get("kscale"), sync=stack["select_sync"],
+                      out=stack["ahead"])
 
     def end_decode(self) -> None:
         for device, side in self.selecting.items():
@@ -248,8 +301,10 @@ def _selection_note(cache: ResaKVCache, device: torch.device) -> str:
     n = cache.ahead_after
     first = (f"from the answer's step {n + 1} on (its first {n} select with their own query)" if n
              else "from the answer's first step on (its blocks by the question's last query)")
-    where = "on a stream beside the step" if device.type == "cuda" else "after each layer's sparse attention"
-    return f"one step ahead {first}: each step's blocks chosen by the step before's query, {where}"
+    when = ("for every layer at once after the step's last one" if cache.stacked
+            else "after each layer's sparse attention")
+    where = ", on a stream beside the step" if device.type == "cuda" else ""
+    return f"one step ahead {first}: each step's blocks chosen by the step before's query, {when}{where}"
 
 
 def _describe(layer: ResaKVLayer, key: torch.Tensor, length: torch.Tensor, n_new: int, block_size: int) -> None:
@@ -318,7 +373,7 @@ class ResaEngine(Engine):
         return out.unsqueeze(1), None
 
     def make_cache(self, capacity: int, reserve: int) -> ResaKVCache:
-        cache = ResaKVCache(self.model.config, capacity, self.config)
+        cache = ResaKVCache(self.model.config, capacity, self.config, stacked=self.single_device)
         cache.timed = self.device.type == "cpu"
         return cache
 
@@ -328,14 +383,16 @@ class ResaEngine(Engine):
         """The KV cache plus, on full-attention layers, two descriptors per block (2/block_size of the keys; the
         centroid is folded into them; int8 with a float32 scale per block and KV head), and the selection's
         histogram and sync words (int32, HIST_BINS + SYNC_WORDS per KV head); with select_ahead, the next step's
-        blocks (int32, the selection's width per KV head)."""
+        blocks (int32, the selection's width per KV head) and the step's query (one token's, per query head)."""
         cfg = engine_config or ResaConfig()
         n_blocks = cdiv(n_tokens, cfg.block_size)
         kv_heads = model_config.get_text_config(decoder=True).num_key_value_heads
         descriptors = len(full_layers(model_config)) * _block_bytes(cfg, model_config, dtype_bytes) * n_blocks
         descriptors += len(full_layers(model_config)) * kv_heads * (HIST_BINS + SYNC_WORDS) * 4
-        if cfg.select_ahead:  # the next step's blocks, int32
-            descriptors += len(full_layers(model_config)) * kv_heads * cfg.rule.keep(n_blocks) * 4
+        if cfg.select_ahead:  # the next step's blocks, int32, and the query they are chosen by
+            q_heads = model_config.get_text_config(decoder=True).num_attention_heads
+            descriptors += len(full_layers(model_config)) * (kv_heads * cfg.rule.keep(n_blocks) * 4
+                                                             + q_heads * head_dim(model_config) * dtype_bytes)
         return super().memory_plan(model_config, n_tokens, dtype_bytes, chunk_size=chunk_size,
                                    reserve=reserve) + descriptors
 

@@ -184,9 +184,47 @@ def test_select_ahead_reads_the_blocks_the_query_before_chose(lm, story_text, mo
         assert tokens[:after + 1] == same_step[:after + 1]
     counters = engine.counters(state)
     assert counters["selection"].startswith("one step ahead") and counters["selection"].endswith(
-        "after each layer's sparse attention")
+        "for every layer at once after the step's last one")
     assert (f"its first {after} select with their own query" in counters["selection"]) == bool(after)
     assert "selection" not in make_engine(lm, "resa", select_ahead=False).counters(state)
+
+
+def test_one_selection_a_step_serves_every_layer(lm, story_text, monkeypatch):
+    """On one device the covered layers' descriptors and select_ahead buffers are slices of stacked tensors, and
+    a decode step selects the next step's blocks for every layer in one call over the stacked rows (layers x
+    batch): the same blocks, hence the same tokens, as one selection a layer (the cache unstacked)."""
+    import engines.resa as resa
+
+    doc, question = story_ids(lm, story_text, 2000)
+    rows = []
+    select = resa.select_blocks
+
+    def record(q, *args, **kwargs):
+        rows.append(q.shape[0])
+        return select(q, *args, **kwargs)
+
+    monkeypatch.setattr(resa, "select_blocks", record)
+    engine = make_engine(lm, "resa", rectify_every=4, select_ahead=True, ahead_after=2, **SPARSE)
+    tokens, state = greedy_answer(engine, doc, question, 12)
+    cache = state.cache
+    covered = [layer for layer in cache.layers if not layer.is_sliding]
+    assert cache.stacked and cache.covered == len(covered) == 3
+    for name in ("kmax", "kmin", "kscale", "score_bins", "select_sync", "ahead", "query"):
+        stack = cache._stacks[name]
+        assert all(getattr(layer, name).data_ptr() == stack[i].data_ptr() for i, layer in enumerate(covered)), name
+    # Steps 0-1 select their own blocks a layer at a time and the next step's in one call; the rectifying steps
+    # (3, 7) and the other sparse steps select the next step's in one call of 3 rows (3 layers x batch 1); 11 decode
+    # steps make the 12 tokens.
+    assert rows == [1, 1, 1, 3] * 2 + [3] * 9, rows
+
+    monkeypatch.setattr(resa, "select_blocks", select)
+    unstacked = make_engine(lm, "resa", rectify_every=4, select_ahead=True, ahead_after=2, **SPARSE)
+    monkeypatch.setattr(unstacked, "single_device", False)
+    plain, plain_state = greedy_answer(unstacked, doc, question, 12)
+    assert not plain_state.cache.stacked and not plain_state.cache._stacks
+    assert tokens == plain
+    for layer, other in zip(covered, (layer for layer in plain_state.cache.layers if not layer.is_sliding)):
+        assert torch.equal(layer.ahead, other.ahead) and torch.equal(layer.kmax, other.kmax)
 
 
 def test_rectifying_step_selects_the_next_steps_blocks(lm, story_text, monkeypatch):
