@@ -137,7 +137,9 @@ def test_each_layer_state_is_allocated_on_its_layer_device(lm, profile, settings
 
 def test_the_placement_check_finds_a_misplaced_tensor(lm):
     engine = make_engine(lm, "resa")
+    engine.single_device = False  # as over several devices: each layer's buffers on its own device, not stacked
     cache = engine.make_cache(300, 20)
+    assert not cache.stacked
     for i, layer in enumerate(cache.layers):
         key = torch.zeros(1, 1, 1, engine.head_dim, device="meta" if i == 5 else "cpu")
         layer.lazy_initialization(key, key)
