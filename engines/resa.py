@@ -50,7 +50,8 @@ class ResaKVLayer(StaticKVLayer):
     """A static KV layer that, on full-attention layers, also holds the block descriptors [B, Hkv, NB, D] (max
     and min keys; with the centroid rule, each plus the block's mean key; int8 codes of kscale [B, Hkv, NB] with
     descriptor_dtype int8, else kscale is None) and the selection's score histogram and sync words (scratch kept
-    between steps, kernels/block_select); with select_ahead, the next step's blocks [B, Hkv, width] int32."""
+    between steps, kernels/block_select); with select_ahead, the next step's blocks [B, Hkv, width] int32 and the
+    step's query [B, Hq, D]. In a stacked cache each is this layer's slice of one tensor for every covered layer."""
 
     kscale: torch.Tensor | None = None
     ahead: torch.Tensor | None = None
