@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import engines.resa as resa_module  # noqa: E402
+import engines.resa.engine as resa_module  # noqa: E402
 from engines import ENGINES  # noqa: E402
 from engines.decoding import Sampler  # noqa: E402
 from kernels import cdiv  # noqa: E402

@@ -7,7 +7,7 @@ configurations alone, for reading profiles without them.
 import importlib
 
 _CLASSES = {"dense": ("engines.dense", "DenseEngine"), "ltri-stream": ("engines.ltri.engine", "LtriEngine"),
-            "resa": ("engines.resa", "ResaEngine"), "sas-pattern": ("engines.sas.engine", "SasEngine"),
+            "resa": ("engines.resa.engine", "ResaEngine"), "sas-pattern": ("engines.sas.engine", "SasEngine"),
             "star": ("engines.star.engine", "StarEngine")}
 
 

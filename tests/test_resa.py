@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.resa import ResaKVCache
+from engines.resa.cache import ResaKVCache
 from kernels import cdiv
 from kernels.block_descriptors import update_block_descriptors_reference
 from longctx_cli.errors import ConfigError
@@ -141,12 +141,13 @@ def test_select_ahead_reads_the_blocks_the_query_before_chose(lm, story_text, mo
     next one; the answer differs from the same-step rule's by at most a few tokens here, and the report says how
     the selection ran. Rebuilt at the end from the final descriptors: with no rectification only each step's
     newest block, always kept, changed after its selection."""
-    import engines.resa as resa
+    import engines.resa.cache as resa_cache
+    import engines.resa.engine as resa_engine
 
     doc, question = story_ids(lm, story_text, 2000)
     used, chosen = [], []
-    sparse = resa.sparse_decode_attention
-    select_ahead = resa.ResaKVLayer.select_ahead
+    sparse = resa_engine.sparse_decode_attention
+    select_ahead = resa_cache.ResaKVLayer.select_ahead
 
     def record_sparse(q, key, value, blocks, length, **kwargs):
         used.append((key.data_ptr(), q.clone(), blocks.clone(), int(length[0])))
@@ -156,8 +157,8 @@ def test_select_ahead_reads_the_blocks_the_query_before_chose(lm, story_text, mo
         chosen.append((layer.keys.data_ptr(), query.clone(), int(length[0]), scale))
         return select_ahead(layer, query, length, scale)
 
-    monkeypatch.setattr(resa, "sparse_decode_attention", record_sparse)
-    monkeypatch.setattr(resa.ResaKVLayer, "select_ahead", record_ahead)
+    monkeypatch.setattr(resa_engine, "sparse_decode_attention", record_sparse)
+    monkeypatch.setattr(resa_cache.ResaKVLayer, "select_ahead", record_ahead)
     engine = make_engine(lm, "resa", rectify_every=0, select_ahead=True, ahead_after=after, **SPARSE)
     tokens, state = greedy_answer(engine, doc, question, 12)
     layers = {layer.keys.data_ptr(): layer for layer in state.cache.layers if not layer.is_sliding}
@@ -193,17 +194,17 @@ def test_one_selection_a_step_serves_every_layer(lm, story_text, monkeypatch):
     """On one device the covered layers' descriptors and select_ahead buffers are slices of stacked tensors, and
     a decode step selects the next step's blocks for every layer in one call over the stacked rows (layers x
     batch): the same blocks, hence the same tokens, as one selection a layer (the cache unstacked)."""
-    import engines.resa as resa
+    import engines.resa.cache as resa_cache
 
     doc, question = story_ids(lm, story_text, 2000)
     rows = []
-    select = resa.select_blocks
+    select = resa_cache.select_blocks
 
     def record(q, *args, **kwargs):
         rows.append(q.shape[0])
         return select(q, *args, **kwargs)
 
-    monkeypatch.setattr(resa, "select_blocks", record)
+    monkeypatch.setattr(resa_cache, "select_blocks", record)
     engine = make_engine(lm, "resa", rectify_every=4, select_ahead=True, ahead_after=2, **SPARSE)
     tokens, state = greedy_answer(engine, doc, question, 12)
     cache = state.cache
@@ -217,7 +218,7 @@ def test_one_selection_a_step_serves_every_layer(lm, story_text, monkeypatch):
     # steps make the 12 tokens.
     assert rows == [1, 1, 1, 3] * 2 + [3] * 9, rows
 
-    monkeypatch.setattr(resa, "select_blocks", select)
+    monkeypatch.setattr(resa_cache, "select_blocks", select)
     unstacked = make_engine(lm, "resa", rectify_every=4, select_ahead=True, ahead_after=2, **SPARSE)
     monkeypatch.setattr(unstacked, "single_device", False)
     plain, plain_state = greedy_answer(unstacked, doc, question, 12)
@@ -231,12 +232,13 @@ def test_rectifying_step_selects_the_next_steps_blocks(lm, story_text, monkeypat
     """select_ahead with rectification: a rectifying step (every 4th with rectify_every 4) reads no blocks and
     its last query selects the next step's, so each layer alternates between a step's read and its selection
     for the next, the question's last query selecting the first step's blocks."""
-    import engines.resa as resa
+    import engines.resa.cache as resa_cache
+    import engines.resa.engine as resa_engine
 
     doc, question = story_ids(lm, story_text, 2000)
     events: dict[int, list[str]] = {}
-    sparse = resa.sparse_decode_attention
-    select_ahead = resa.ResaKVLayer.select_ahead
+    sparse = resa_engine.sparse_decode_attention
+    select_ahead = resa_cache.ResaKVLayer.select_ahead
 
     def record_sparse(q, key, value, blocks, length, **kwargs):
         events.setdefault(key.data_ptr(), []).append("read")
@@ -247,8 +249,8 @@ def test_rectifying_step_selects_the_next_steps_blocks(lm, story_text, monkeypat
             layer.owner.decode_variant if layer.owner.decoding else "question")
         return select_ahead(layer, query, length, scale)
 
-    monkeypatch.setattr(resa, "sparse_decode_attention", record_sparse)
-    monkeypatch.setattr(resa.ResaKVLayer, "select_ahead", record_ahead)
+    monkeypatch.setattr(resa_engine, "sparse_decode_attention", record_sparse)
+    monkeypatch.setattr(resa_cache.ResaKVLayer, "select_ahead", record_ahead)
     engine = make_engine(lm, "resa", rectify_every=4, select_ahead=True, ahead_after=0, **SPARSE)
     _, state = greedy_answer(engine, doc, question, 12)
     assert engine.counters(state)["rectifications"] == 2
@@ -397,7 +399,7 @@ def test_gpu_every_block_kept_decodes_like_dense():
 def test_gpu_rectification_time_waits_for_a_running_rectification():
     """The report may be taken while the last rectification still runs (an answer that stops on the step that
     launched it): its time is waited for, not an error."""
-    from engines.resa import events_seconds
+    from engines.resa.engine import events_seconds
 
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engines.decoding import Sampler
-from engines.resa import ResaKVCache
+from engines.resa.cache import ResaKVCache
 from longctx_cli.models import LoadedModel, load_model
 from longctx_cli.split import dispatch, layer_split
 from tests.conftest import make_engine

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engines.base import Engine
-from engines.resa import ResaEngine
+from engines.resa.engine import ResaEngine
 from longctx_cli.profiles import resolve_profile
 from tests.conftest import TRITON_DEVICE
 
