@@ -83,7 +83,10 @@ def main() -> None:
                        "prefill_s": q1["timings"]["prefill_s"],
                        "first_token_q1_s": q1["timings"]["first_token_s"],
                        "first_token_q2_same_process_s": q2["timings"]["first_token_s"],
-                       "state_write_s": q1["timings"]["wall"].get("state_write_s"), "state_q1": q1["state"],
+                       # The copy before the first question, and the wait for the file after the last.
+                       "state_copy_s": q1["timings"]["wall"].get("state_write_s"),
+                       "state_write_wait_s": q2["timings"]["wall"].get("state_write_s"),
+                       "state_q1": q1["state"], "state_q2": q2["state"],
                        "first_token_q1_new_process_s": again["timings"]["first_token_s"],
                        "state_read_s": again["timings"]["wall"].get("state_read_s"), "state_new_process": again["state"],
                        "same_answer_new_process": again["answer_ids"] == q1["answer_ids"]}

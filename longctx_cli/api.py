@@ -113,6 +113,7 @@ class Document:
         else:
             report.state = "kept from an earlier question (checkpoint and restore)"
         answer_question(session, self.state, layout, report, AnswerOutput("", False))
+        session.states.wait(report)  # the state saved beside the answer
         if self.checkpoint is not None:
             session.engine.restore(self.state, self.checkpoint)
         else:

@@ -115,6 +115,8 @@ def run_ask(opts: AskOptions) -> int:
                     session.engine.restore(state, checkpoint)
                 else:
                     state = None  # this engine's answer changes its state: the next question reads again
+                if report is reports[-1]:
+                    _guarded(session, report, lambda: session.states.wait(report))
                 _emit(report, opts)
         except (InputError, ContextTooLongError, ConfigError) as exc:
             failures.append(exc)
@@ -126,6 +128,7 @@ def run_ask(opts: AskOptions) -> int:
             if len(groups) == 1:
                 raise
             err.print(f"[red]error:[/] {escape(message(exc))}", highlight=False, soft_wrap=True)
+    session.states.wait()  # a state still written after a document that failed later
     if failures:
         err.print(f"[red]{len(failures)} of {len(groups)} documents failed[/]")
         return failures[0].exit_code if len(failures) == len(groups) else EXIT_PARTIAL

@@ -11,11 +11,13 @@ is bounded (`state_cache_gib`): the least recently used states go first.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import hashlib
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,15 +98,34 @@ class StateStore:
 
     def save(self, key: str, inputs: dict, tensors: dict, meta: dict) -> Saved:
         """tensors: name -> tensor (any device); meta: the engine's JSON-able scalars."""
+        start = time.perf_counter()
+        header = self._header(key, inputs, tensors, meta)
+        return self._write(key, {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, header,
+                           start)
+
+    def save_beside(self, key: str, inputs: dict, tensors: dict, meta: dict) -> "PendingSave":
+        """As `save`, the file written on a thread of its own: what it writes is copied to host memory first
+        (`host.` tensors, which later answers leave as they are, excepted), so the caller may go on changing the
+        tensors; `PendingSave.wait` joins it."""
+        start = time.perf_counter()
+        header = self._header(key, inputs, tensors, meta)
+        snapshot = {name: t.detach().contiguous() if name.startswith("host.") else _host_copy(t)
+                    for name, t in tensors.items()}
+        return PendingSave(self, key, snapshot, header, start)
+
+    def _header(self, key: str, inputs: dict, tensors: dict, meta: dict) -> dict:
+        return {"format": FORMAT, "key": key, "inputs": inputs, "meta": meta, "checksums": checksums(tensors)}
+
+    def _write(self, key: str, cpu: dict, header: dict, start: float, pending: "PendingSave | None" = None) -> Saved:
         from safetensors.torch import save_file
 
-        start = time.perf_counter()
-        header = {"format": FORMAT, "key": key, "inputs": inputs, "meta": meta,
-                  "checksums": checksums(tensors)}
-        cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
         path = self.path(key)
         with atomic_file(path) as tmp:
+            if pending is not None and not pending.track(tmp):
+                raise OSError("the run ended before the state was written")
             save_file(cpu, str(tmp), metadata={"longctx": json.dumps(header, default=str)})
+            if pending is not None and not pending.track(tmp):
+                raise OSError("the run ended before the state was written")
         size = path.stat().st_size
         self.evict(keep=key)
         return Saved(key, path, size, time.perf_counter() - start)
@@ -182,6 +203,56 @@ class StateError(Exception):
     """A state file that exists but cannot be used; the message says why, in a few words."""
 
 
+def _host_copy(t):
+    """A contiguous copy of t in host memory (one copy, from any device)."""
+    import torch
+
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t.detach())
+
+
+class PendingSave:
+    """A state file being written on a thread of its own (StateStore.save_beside). A run that ends before it is
+    written (Ctrl-C, an error) leaves no partial file: the exit handler removes it."""
+
+    def __init__(self, store: StateStore, key: str, cpu: dict, header: dict, start: float):
+        self.key, self.bytes = key, sum(t.nbytes for t in cpu.values())
+        self.saved: Saved | None = None
+        self.error: BaseException | None = None
+        self._tmp: Path | None = None
+        self._abandoned = False
+        self._lock = threading.Lock()
+        atexit.register(self.abandon)
+        self._thread = threading.Thread(target=self._run, args=(store, cpu, header, start), daemon=True,
+                                        name=f"longctx-state-{key[:12]}")
+        self._thread.start()
+
+    def _run(self, store: StateStore, cpu: dict, header: dict, start: float) -> None:
+        try:
+            self.saved = store._write(self.key, cpu, header, start, pending=self)
+        except BaseException as exc:  # noqa: BLE001 - raised again by wait, in the caller's thread
+            self.error = exc
+
+    def track(self, tmp: Path) -> bool:
+        """The temporary file being written; False once the run has given the write up."""
+        with self._lock:
+            self._tmp = tmp
+            return not self._abandoned
+
+    def wait(self) -> Saved:
+        """The saved file once written; raises what writing it raised (OSError for a full or read-only disk)."""
+        self._thread.join()
+        atexit.unregister(self.abandon)
+        if self.error is not None:
+            raise self.error
+        return self.saved
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            if self._tmp is not None and self._thread.is_alive():
+                self._tmp.unlink(missing_ok=True)
+
+
 def settings_of(config) -> dict:
     """A dataclass's fields as plain JSON values (tuples as lists), for a state key."""
     return json.loads(json.dumps(dataclasses.asdict(config), default=str))
@@ -194,6 +265,7 @@ class DocumentStates:
     def __init__(self, mode: str, model_spec: str | None, profile, limit_gib: float):
         self.mode, self.model_spec, self.profile = mode, model_spec, profile
         self.store = StateStore(limit_bytes=int(limit_gib * 2**30))
+        self.pending: PendingSave | None = None  # the state being written beside the answers (keep, wait)
 
     def inputs(self, engine, ids, reserve: int) -> dict:
         from longctx_cli.models import EMBEDDED, resolve_model_dir
@@ -215,6 +287,7 @@ class DocumentStates:
 
         if self.mode in ("off", "write") or not engine.reusable:
             return None
+        self.wait()  # a state still being written may be this one
         inputs = self.inputs(engine, ids, reserve)
         key = state_key(inputs)
         with CLOCK.part("state read"):
@@ -241,9 +314,10 @@ class DocumentStates:
             return None, None
 
     def keep(self, engine, state, ids, reserve: int, report) -> None:
-        """Save a state just computed, where the engine and `--state` allow; the report says what happened."""
+        """Save a state just computed, where the engine and `--state` allow: copied to host memory here, written
+        to disk on a thread of its own while the questions are answered (`wait` joins it); the report says what
+        happened."""
         from longctx_cli.clock import CLOCK
-        from longctx_cli.named_models import warn
         from longctx_cli.report import gib
 
         if not engine.reusable:
@@ -252,6 +326,7 @@ class DocumentStates:
         if self.mode in ("off", "read"):
             report.state = f"computed, not saved (--state {self.mode})"
             return
+        self.wait()  # one state written at a time
         inputs = self.inputs(engine, ids, reserve)
         key = state_key(inputs)
         with CLOCK.part("state write"):
@@ -259,10 +334,29 @@ class DocumentStates:
             # Read back, every tensor but `host.` ones goes to the engine's device and is checked there: check
             # it there now too (the rule differs between host and device).
             tensors = {name: t if name.startswith("host.") else t.to(engine.device) for name, t in tensors.items()}
-            try:
-                saved = self.store.save(key, inputs, tensors, {**meta, "document": report.path})
-            except OSError as exc:
-                warn(f"cannot save the document's state in {self.store.root}: {exc.strerror or exc}")
-                report.state = "computed, not saved (see the warning)"
-                return
-        report.state = f"computed, saved {gib(saved.bytes)} in {saved.seconds:.2f} s as {key[:12]}"
+            self.pending = self.store.save_beside(key, inputs, tensors, {**meta, "document": report.path})
+        report.state = f"computed, saving {gib(self.pending.bytes)} as {key[:12]} beside the answers"
+
+    def wait(self, report=None) -> None:
+        """Join the state being written, if any: its time waited counts as `state write`, and `report` (the
+        document's last) says how it went; a failed write is one warning line, the run goes on."""
+        from longctx_cli.clock import CLOCK
+        from longctx_cli.named_models import warn
+        from longctx_cli.report import gib
+
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        began = time.perf_counter()
+        try:
+            with CLOCK.part("state write"):
+                saved = pending.wait()
+        except OSError as exc:
+            warn(f"cannot save the document's state in {self.store.root}: {exc.strerror or exc}")
+            line = "not saved (see the warning)"
+        else:
+            line = (f"saved {gib(saved.bytes)} in {saved.seconds:.2f} s as {saved.key[:12]} "
+                    f"(waited {time.perf_counter() - began:.2f} s after the answers)")
+        if report is not None:
+            report.state = (f"computed, {line}" if report.state.startswith("computed")
+                            else f"{report.state}; the state {line}")

@@ -194,6 +194,45 @@ def test_cli_three_questions_equal_three_runs_and_reuse_the_saved_state(capsys, 
         assert not states_home.exists() or not any(states_home.iterdir())
 
 
+def test_the_state_is_written_beside_the_answers(capsys, monkeypatch, states_home, story):
+    """The document's state goes to disk on a thread of its own while the questions are answered: here its file
+    is held until the last answer is done, and the run still answers both. The first report says it is being
+    saved, the document's last one when it was done and how long the run waited for it (a `state write` part of
+    its wall clock)."""
+    import threading
+
+    import safetensors.torch
+
+    import longctx_cli.ask as ask
+
+    answered, writers = [], []
+    real_answer, real_save = ask.answer_question, safetensors.torch.save_file
+
+    def answer(*args, **kwargs):
+        real_answer(*args, **kwargs)
+        answered.append(threading.current_thread().name)
+
+    def held(tensors, filename, metadata=None):
+        writers.append(threading.current_thread().name)
+        for _ in range(600):  # until both answers are done (a written file is the failure below)
+            if len(answered) == 2:
+                break
+            threading.Event().wait(0.1)
+        return real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(ask, "answer_question", answer)
+    monkeypatch.setattr(safetensors.torch, "save_file", held)
+    both, _ = _run(capsys, monkeypatch, story, "-q", QUESTIONS[0], "-q", QUESTIONS[1])
+    assert len(answered) == 2 and writers and writers[0].startswith("longctx-state-")
+    assert both[0]["state"].startswith("computed, saving") and "beside the answers" in both[0]["state"]
+    assert both[1]["state"].startswith("kept") and "the state saved" in both[1]["state"]
+    assert "waited" in both[1]["state"] and both[1]["timings"]["wall"]["state_write_s"] > 0
+    assert len(list(states_home.glob("*.safetensors"))) == 1
+    assert not list(states_home.glob("*.partial"))
+    again, _ = _run(capsys, monkeypatch, story, "-q", QUESTIONS[1])
+    assert again[0]["state"].startswith("reused") and again[0]["answer_ids"] == both[1]["answer_ids"]
+
+
 @pytest.mark.parametrize("change", [["--chunk-size", "512"], ["--profile", "resa"], ["--dtype", "bfloat16"],
                                     ["--set", "max_new_tokens=9"]],
                          ids=["chunk-size", "engine", "dtype", "run-key-outside-the-state"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,60 @@ def test_round_trip(tmp_path):
     assert meta == {"n_tokens": 5} and read.bytes == saved.bytes
     for name, t in _tensors().items():
         assert torch.equal(tensors[name], t) and tensors[name].dtype == t.dtype
+
+
+def _blocking_save_file(monkeypatch, release: threading.Event, seen: list):
+    """safetensors' save_file held until `release` is set; `seen` gets the writing thread's name."""
+    import safetensors.torch
+
+    real = safetensors.torch.save_file
+
+    def held(tensors, filename, metadata=None):
+        seen.append(threading.current_thread().name)
+        assert release.wait(60)
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", held)
+
+
+def test_a_state_written_beside_is_the_one_given_when_given(tmp_path, monkeypatch):
+    """save_beside returns before the file is written, on a thread of its own, from a copy: tensors changed
+    meanwhile (a question's answer) leave the file as it was given, and it reads back as `save` writes it."""
+    store = StateStore(tmp_path)
+    key = state_key(INPUTS)
+    release, seen = threading.Event(), []
+    _blocking_save_file(monkeypatch, release, seen)
+    live = _tensors()
+    pending = store.save_beside(key, INPUTS, live, {"n_tokens": 5})
+    for t in live.values():
+        t.fill_(7)
+    assert not store.path(key).exists()
+    release.set()
+    saved = pending.wait()
+    assert seen and seen[0].startswith("longctx-state-") and saved.path == store.path(key)
+    tensors, meta, _ = store.load(key, INPUTS)
+    assert meta == {"n_tokens": 5}
+    for name, t in _tensors().items():
+        assert torch.equal(tensors[name], t)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [store.path(key).name]
+
+
+def test_a_state_write_given_up_leaves_no_file(tmp_path, monkeypatch):
+    """A run that ends while its state is written (Ctrl-C: the exit handlers run) leaves neither a partial file
+    nor, once the write returns, a state; wait then raises OSError, which the run reports as one warning."""
+    store = StateStore(tmp_path)
+    key = state_key(INPUTS)
+    release, seen = threading.Event(), []
+    _blocking_save_file(monkeypatch, release, seen)
+    pending = store.save_beside(key, INPUTS, _tensors(), {})
+    while not seen:
+        time.sleep(0.01)
+    pending.abandon()
+    assert list(tmp_path.iterdir()) == []
+    release.set()
+    with pytest.raises(OSError, match="ended before the state was written"):
+        pending.wait()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_missing_is_none_and_other_inputs_are_refused(tmp_path):
