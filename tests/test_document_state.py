@@ -233,6 +233,26 @@ def test_the_state_is_written_beside_the_answers(capsys, monkeypatch, states_hom
     assert again[0]["state"].startswith("reused") and again[0]["answer_ids"] == both[1]["answer_ids"]
 
 
+def test_a_state_that_cannot_be_written_is_one_warning(capsys, monkeypatch, states_home, story):
+    """A full disk while the state is written beside the answer: the answer stands, one warning line names the
+    folder and the reason, the report says the state was not saved, and no partial file is left."""
+    import errno
+
+    import safetensors.torch
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    [report], err = _run(capsys, monkeypatch, story, "-q", QUESTIONS[0])
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "cannot save the document's state" in warnings[0]
+    assert "No space left on device" in warnings[0] and report["answer"].strip()
+    assert report["state"] == "computed, not saved (see the warning)"
+    assert not [p for p in states_home.glob("*") if p.is_file()]  # pathlib's * matches the hidden partial files
+
+
 @pytest.mark.parametrize("change", [["--chunk-size", "512"], ["--profile", "resa"], ["--dtype", "bfloat16"],
                                     ["--set", "max_new_tokens=9"]],
                          ids=["chunk-size", "engine", "dtype", "run-key-outside-the-state"])
