@@ -291,6 +291,57 @@ def test_interrupted_prefill_says_how_far_it_got(capsys, monkeypatch):
     assert "interrupted after 512 of" in err and err.rstrip().endswith("interrupted")
 
 
+_WRITE_HELD = """
+import os, signal, sys, time
+from pathlib import Path
+
+import safetensors.torch
+
+import longctx_cli.states as states
+from engines.base import Engine
+from engines.dense import DenseEngine
+from longctx_cli import entry
+
+folder = Path(sys.argv[1])
+states.longctx_home = lambda: folder
+
+
+def held(tensors, filename, metadata=None):
+    Path(filename).write_bytes(b"partial")
+    time.sleep(600)
+
+
+def answer(self, *args):
+    for i, token in enumerate(real(self, *args)):
+        yield token
+        if i == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+real = Engine.answer
+safetensors.torch.save_file = held
+DenseEngine.answer = answer
+sys.argv = ["longctx", "ask", sys.argv[2], "What was the name of the schooner?", "-n", "12"]
+entry.run()
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_state_is_written_leaves_no_file(tmp_path):
+    """Ctrl-C while the document's state is still being written beside the answer: exit 130 with the partial
+    answer and report, and the states folder holds no partial file (the exit handlers remove it)."""
+    import subprocess
+
+    (tmp_path / "write_held.py").write_text(_WRITE_HELD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).parent.parent)])}
+    home = tmp_path / "home"
+    done = subprocess.run([sys.executable, "-m", "write_held", str(home), str(_story_start(tmp_path))], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert done.stdout.strip() and "stopped: interrupted" in done.stderr
+    assert "saving" in done.stderr and not [p for p in home.rglob("*") if p.is_file()]
+
+
 _MARKED = """
 import atexit, ctypes, sys
 from longctx_cli import entry
