@@ -82,7 +82,8 @@ def run_ask(opts: AskOptions) -> int:
     with CLOCK.part("prompt layout"):
         layouts = [build_layout(session.tokenizer, q, profile.run.stop, layout=opts.layout) for q in opts.questions]
     failures: list[LongctxError] = []
-    for name, members in groups:
+    for g, (name, members) in enumerate(groups):
+        last_document = g == len(groups) - 1
         reports = [Report(name, q, profile.engine, opts.model or "gemma3-270m",
                           bool(opts.model and opts.model.startswith("random:"))) for q in opts.questions]
         try:
@@ -116,10 +117,12 @@ def run_ask(opts: AskOptions) -> int:
                 else:
                     state = None  # this engine's answer changes its state: the next question reads again
                 if report is reports[-1]:
-                    _guarded(session, report, lambda: session.states.wait(report))
+                    _state_written(session, report, last_document)
                 _emit(report, opts)
         except (InputError, ContextTooLongError, ConfigError) as exc:
             failures.append(exc)
+            if last_document:
+                session.states.wait()  # the state before, counted in this document's report
             for report in reports:
                 if not report.stopped:
                     report.stopped, report.error = "error", message(exc)
@@ -128,11 +131,21 @@ def run_ask(opts: AskOptions) -> int:
             if len(groups) == 1:
                 raise
             err.print(f"[red]error:[/] {escape(message(exc))}", highlight=False, soft_wrap=True)
-    session.states.wait()  # a state still written after a document that failed later
+    session.states.wait()  # one left by a last document that failed
     if failures:
         err.print(f"[red]{len(failures)} of {len(groups)} documents failed[/]")
         return failures[0].exit_code if len(failures) == len(groups) else EXIT_PARTIAL
     return 0
+
+
+def _state_written(session: Session, report: Report, last_document: bool) -> None:
+    """The document's state is written beside its answers: the last document's last report waits for it; an
+    earlier document's write goes on beside the next document's prefill (its keep joins it, and its report's
+    wall clock holds the wait)."""
+    if last_document:
+        _guarded(session, report, lambda: session.states.wait(report))
+    else:
+        session.states.carry_on(report)
 
 
 def _guarded(session: Session, report: Report, step):

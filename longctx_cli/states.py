@@ -287,9 +287,10 @@ class DocumentStates:
 
         if self.mode in ("off", "write") or not engine.reusable:
             return None
-        self.wait()  # a state still being written may be this one
         inputs = self.inputs(engine, ids, reserve)
         key = state_key(inputs)
+        if self.pending is not None and self.pending.key == key:
+            self.wait()  # this document's state, still being written
         with CLOCK.part("state read"):
             state, read = self._read(engine, key, inputs, reserve)
             if not engine.agree(state is not None):
@@ -326,7 +327,7 @@ class DocumentStates:
         if self.mode in ("off", "read"):
             report.state = f"computed, not saved (--state {self.mode})"
             return
-        self.wait()  # one state written at a time
+        self.wait()  # one state written at a time: the one before, written beside this document's prefill
         inputs = self.inputs(engine, ids, reserve)
         key = state_key(inputs)
         with CLOCK.part("state write"):
@@ -336,6 +337,12 @@ class DocumentStates:
             tensors = {name: t if name.startswith("host.") else t.to(engine.device) for name, t in tensors.items()}
             self.pending = self.store.save_beside(key, inputs, tensors, {**meta, "document": report.path})
         report.state = f"computed, saving {gib(self.pending.bytes)} as {key[:12]} beside the answers"
+
+    def carry_on(self, report) -> None:
+        """The state being written goes on beside the next document (joined by its keep or the run's last wait):
+        `report`, this document's last, says so."""
+        if self.pending is not None:
+            report.state += "; written on beside the next document"
 
     def wait(self, report=None) -> None:
         """Join the state being written, if any: its time waited counts as `state write`, and `report` (the

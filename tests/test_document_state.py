@@ -233,6 +233,45 @@ def test_the_state_is_written_beside_the_answers(capsys, monkeypatch, states_hom
     assert again[0]["state"].startswith("reused") and again[0]["answer_ids"] == both[1]["answer_ids"]
 
 
+def test_a_state_is_written_beside_the_next_documents_prefill(capsys, monkeypatch, states_home, story, tmp_path):
+    """A run over several documents writes each one's state beside the next document's prefill: here the first
+    file is held until the second document has been read, and both states end up saved; the last document's
+    report waits for its own."""
+    import threading
+
+    import safetensors.torch
+
+    from engines.dense import DenseEngine
+
+    prefilled = []
+    real_prefill, real_save = DenseEngine.prefill, safetensors.torch.save_file
+
+    def prefill(self, *args, **kwargs):
+        state = real_prefill(self, *args, **kwargs)
+        prefilled.append(threading.current_thread().name)
+        return state
+
+    def held(tensors, filename, metadata=None):
+        for _ in range(600):  # until the second document is read (a written file is the failure below)
+            if len(prefilled) == 2:
+                break
+            threading.Event().wait(0.1)
+        return real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(DenseEngine, "prefill", prefill)
+    monkeypatch.setattr(safetensors.torch, "save_file", held)
+    second = tmp_path / "second.txt"
+    second.write_text(story.read_text(encoding="utf-8") + "\nThe keeper's cat was called Tom.\n", encoding="utf-8")
+    code, out, err = run_cli(["ask", str(story), str(second), "-q", QUESTIONS[0], "-n", str(NEW), "--json"], capsys,
+                             monkeypatch)
+    assert code == 0, err
+    first, last = [json.loads(line) for line in out.splitlines()]
+    assert len(prefilled) == 2
+    assert first["state"].startswith("computed, saving") and first["state"].endswith("beside the next document")
+    assert last["state"].startswith("computed, saved") and last["timings"]["wall"]["state_write_s"] > 0
+    assert len(list(states_home.glob("*.safetensors"))) == 2 and not list(states_home.glob("*.partial"))
+
+
 def test_a_state_that_cannot_be_written_is_one_warning(capsys, monkeypatch, states_home, story):
     """A full disk while the state is written beside the answer: the answer stands, one warning line names the
     folder and the reason, the report says the state was not saved, and no partial file is left."""
