@@ -194,34 +194,42 @@ def test_cli_three_questions_equal_three_runs_and_reuse_the_saved_state(capsys, 
         assert not states_home.exists() or not any(states_home.iterdir())
 
 
+def _save_file_held_until(monkeypatch, done) -> list[str]:
+    """safetensors' save_file held until done() (a minute at most: a file written too early is what the test
+    then finds); returns the names of the threads that wrote."""
+    import threading
+
+    import safetensors.torch
+
+    real, writers = safetensors.torch.save_file, []
+
+    def held(tensors, filename, metadata=None):
+        writers.append(threading.current_thread().name)
+        for _ in range(600):
+            if done():
+                break
+            threading.Event().wait(0.1)
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", held)
+    return writers
+
+
 def test_the_state_is_written_beside_the_answers(capsys, monkeypatch, states_home, story):
     """The document's state goes to disk on a thread of its own while the questions are answered: here its file
     is held until the last answer is done, and the run still answers both. The first report says it is being
     saved, the document's last one when it was done and how long the run waited for it (a `state write` part of
     its wall clock)."""
-    import threading
-
-    import safetensors.torch
-
     import longctx_cli.ask as ask
 
-    answered, writers = [], []
-    real_answer, real_save = ask.answer_question, safetensors.torch.save_file
+    answered, real_answer = [], ask.answer_question
 
     def answer(*args, **kwargs):
         real_answer(*args, **kwargs)
-        answered.append(threading.current_thread().name)
-
-    def held(tensors, filename, metadata=None):
-        writers.append(threading.current_thread().name)
-        for _ in range(600):  # until both answers are done (a written file is the failure below)
-            if len(answered) == 2:
-                break
-            threading.Event().wait(0.1)
-        return real_save(tensors, filename, metadata=metadata)
+        answered.append(True)
 
     monkeypatch.setattr(ask, "answer_question", answer)
-    monkeypatch.setattr(safetensors.torch, "save_file", held)
+    writers = _save_file_held_until(monkeypatch, lambda: len(answered) == 2)
     both, _ = _run(capsys, monkeypatch, story, "-q", QUESTIONS[0], "-q", QUESTIONS[1])
     assert len(answered) == 2 and writers and writers[0].startswith("longctx-state-")
     assert both[0]["state"].startswith("computed, saving") and "beside the answers" in both[0]["state"]
@@ -237,36 +245,24 @@ def test_a_state_is_written_beside_the_next_documents_prefill(capsys, monkeypatc
     """A run over several documents writes each one's state beside the next document's prefill: here the first
     file is held until the second document has been read, and both states end up saved; the last document's
     report waits for its own."""
-    import threading
-
-    import safetensors.torch
-
     from engines.dense import DenseEngine
 
-    prefilled = []
-    real_prefill, real_save = DenseEngine.prefill, safetensors.torch.save_file
+    prefilled, real_prefill = [], DenseEngine.prefill
 
     def prefill(self, *args, **kwargs):
         state = real_prefill(self, *args, **kwargs)
-        prefilled.append(threading.current_thread().name)
+        prefilled.append(True)
         return state
 
-    def held(tensors, filename, metadata=None):
-        for _ in range(600):  # until the second document is read (a written file is the failure below)
-            if len(prefilled) == 2:
-                break
-            threading.Event().wait(0.1)
-        return real_save(tensors, filename, metadata=metadata)
-
     monkeypatch.setattr(DenseEngine, "prefill", prefill)
-    monkeypatch.setattr(safetensors.torch, "save_file", held)
+    writers = _save_file_held_until(monkeypatch, lambda: len(prefilled) == 2)
     second = tmp_path / "second.txt"
     second.write_text(story.read_text(encoding="utf-8") + "\nThe keeper's cat was called Tom.\n", encoding="utf-8")
     code, out, err = run_cli(["ask", str(story), str(second), "-q", QUESTIONS[0], "-n", str(NEW), "--json"], capsys,
                              monkeypatch)
     assert code == 0, err
     first, last = [json.loads(line) for line in out.splitlines()]
-    assert len(prefilled) == 2
+    assert len(prefilled) == 2 and len(writers) == 2
     assert first["state"].startswith("computed, saving") and first["state"].endswith("beside the next document")
     assert last["state"].startswith("computed, saved") and last["timings"]["wall"]["state_write_s"] > 0
     assert len(list(states_home.glob("*.safetensors"))) == 2 and not list(states_home.glob("*.partial"))
