@@ -119,13 +119,15 @@ class StateStore:
     def _write(self, key: str, cpu: dict, header: dict, start: float, pending: "PendingSave | None" = None) -> Saved:
         from safetensors.torch import save_file
 
+        def given_up(tmp: Path) -> None:
+            if pending is not None and not pending.track(tmp):
+                raise OSError("the run ended before the state was written")
+
         path = self.path(key)
         with atomic_file(path) as tmp:
-            if pending is not None and not pending.track(tmp):
-                raise OSError("the run ended before the state was written")
+            given_up(tmp)
             save_file(cpu, str(tmp), metadata={"longctx": json.dumps(header, default=str)})
-            if pending is not None and not pending.track(tmp):
-                raise OSError("the run ended before the state was written")
+            given_up(tmp)  # not renamed into place once the run has ended
         size = path.stat().st_size
         self.evict(keep=key)
         return Saved(key, path, size, time.perf_counter() - start)
@@ -216,6 +218,7 @@ class PendingSave:
 
     def __init__(self, store: StateStore, key: str, cpu: dict, header: dict, start: float):
         self.key, self.bytes = key, sum(t.nbytes for t in cpu.values())
+        self.document = ""  # the document it is the state of, for the report that joins it
         self.saved: Saved | None = None
         self.error: BaseException | None = None
         self._tmp: Path | None = None
@@ -336,6 +339,7 @@ class DocumentStates:
             # it there now too (the rule differs between host and device).
             tensors = {name: t if name.startswith("host.") else t.to(engine.device) for name, t in tensors.items()}
             self.pending = self.store.save_beside(key, inputs, tensors, {**meta, "document": report.path})
+            self.pending.document = report.path
         report.state = f"computed, saving {gib(self.pending.bytes)} as {key[:12]} beside the answers"
 
     def carry_on(self, report) -> None:
@@ -364,6 +368,11 @@ class DocumentStates:
         else:
             line = (f"saved {gib(saved.bytes)} in {saved.seconds:.2f} s as {saved.key[:12]} "
                     f"(waited {time.perf_counter() - began:.2f} s after the answers)")
-        if report is not None:
-            report.state = (f"computed, {line}" if report.state.startswith("computed")
-                            else f"{report.state}; the state {line}")
+        if report is None:
+            return
+        if report.path != pending.document:  # an earlier document's, joined in a later one's report
+            report.state += f"; {pending.document}'s state {line}"
+        elif report.state.startswith("computed"):
+            report.state = f"computed, {line}"
+        else:
+            report.state += f"; the state {line}"

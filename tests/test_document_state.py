@@ -266,6 +266,16 @@ def test_a_state_is_written_beside_the_next_documents_prefill(capsys, monkeypatc
     assert first["state"].startswith("computed, saving") and first["state"].endswith("beside the next document")
     assert last["state"].startswith("computed, saved") and last["timings"]["wall"]["state_write_s"] > 0
     assert len(list(states_home.glob("*.safetensors"))) == 2 and not list(states_home.glob("*.partial"))
+    # A last document read from its saved state: its report names the earlier document whose write it joined.
+    third = tmp_path / "third.txt"
+    third.write_text(story.read_text(encoding="utf-8") + "\nThe keeper's dog was called Rex.\n", encoding="utf-8")
+    code, out, err = run_cli(["ask", str(third), str(second), "-q", QUESTIONS[0], "-n", str(NEW), "--json"], capsys,
+                             monkeypatch)
+    assert code == 0, err
+    first, last = [json.loads(line) for line in out.splitlines()]
+    assert first["state"].startswith("computed, saving") and last["state"].startswith("reused")
+    assert f"; {first['path']}'s state saved" in last["state"]
+    assert len(list(states_home.glob("*.safetensors"))) == 3
 
 
 def test_a_state_that_cannot_be_written_is_one_warning(capsys, monkeypatch, states_home, story):
